@@ -1,0 +1,1 @@
+"""moeswap: run Mixture-of-Experts models on machines whose fast memory cannot hold them."""

@@ -1,0 +1,43 @@
+"""The ``moeswap`` command line: parse arguments, call the library, print one line on error.
+
+Each command group lives in its own module and exposes ``register(subparsers)``; a
+subcommand is one function that parses nothing itself and calls into the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moeswap.errors import MoeswapError
+
+COMMAND_MODULES = ("gguf_commands",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
+    parser = argparse.ArgumentParser(prog="moeswap", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"moeswap.cli.{name}").register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except MoeswapError as e:
+        print(f"moeswap: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moeswap: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
