@@ -1,0 +1,314 @@
+"""Tokenizers from GGUF metadata or a Hugging Face folder, with llama.cpp's special-token rules.
+
+A GGUF carries its vocabulary as metadata. transformers knows how to turn that into a
+``tokenizers.Tokenizer`` (SentencePiece-style ``llama`` and byte-level ``gpt2`` vocabularies),
+but the conversion costs seconds on a 262k vocabulary; the result is cached as tokenizer.json
+under ~/.cache/moeswap, keyed by a hash of the file's tokenizer metadata bytes, so a copy or a
+rename of the model hits the cache and any change to the vocabulary misses it.
+
+BOS/EOS/add_bos defaults, the end-of-generation set and the prefix space follow llama.cpp's
+``llama_vocab::impl::load`` (src/llama-vocab.cpp of llama-cpp-python 0.3.36).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import tokenizers
+from tokenizers import decoders, normalizers, processors
+
+from moeswap.errors import MoeswapError
+from moeswap.formats.gguf_file import GGUFFile
+
+# Bump when the conversion below changes, so stale cache entries are not reused.
+CONVERSION_VERSION = 2
+
+# llama.cpp marks these token texts as end-of-generation, whatever the metadata says.
+EOG_TOKEN_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<｜end▁of▁sentence｜>", "[e~[",
+})
+# Metadata keys whose ids also end generation (llama.cpp: special_eog_ids).
+EOG_ID_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id", "fim_pad_token_id",
+               "fim_rep_token_id", "fim_sep_token_id")
+# Byte-level pre-tokenizer types for which llama.cpp turns add_bos on by default.
+BPE_PRE_TYPES_WITH_BOS = frozenset({
+    "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+    "jina-v5-nano", "tekken", "chameleon",
+})
+TOKEN_TYPE_CONTROL = 3
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    bos_id: int | None
+    eos_id: int | None
+    stop_ids: frozenset[int]  # generation ends at any of these (llama.cpp's EOG set)
+    add_bos: bool
+    add_eos: bool
+
+
+class Tokenizer:
+    """Text <-> token ids. ``encode`` adds BOS/EOS the way the model's metadata asks."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, specials: SpecialTokens,
+                 chat_template: str | None):
+        self.backend = backend
+        self.specials = specials
+        self.chat_template = chat_template
+        self._special_mode_lock = threading.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.specials.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.specials.eos_id
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.specials.stop_ids
+
+    def token_text(self, token_id: int | None) -> str:
+        """The token as the vocabulary spells it (``<bos>``), '' for None."""
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``. ``add_special`` adds BOS/EOS as the model asks;
+        ``parse_special`` turns control-token text like ``<start_of_turn>`` into that token
+        (llama.cpp's parse_special; user-defined tokens are always matched, as there)."""
+        with self._special_mode_lock:
+            self.backend.encode_special_tokens = not parse_special
+            return self.backend.encode(text, add_special_tokens=add_special).ids
+
+    def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def stream(self) -> "TextStream":
+        return TextStream(self)
+
+
+class TextStream:
+    """Turns generated ids into text pieces as soon as they form whole characters."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+
+    def push(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer.backend, token_id) or ""
+
+
+def load_tokenizer(path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer of a .gguf file or of a Hugging Face folder (tokenizer.json)."""
+    path = Path(path)
+    if path.is_dir():
+        return tokenizer_from_hf_folder(path)
+    return tokenizer_from_gguf(GGUFFile.open(path), cache_dir=cache_dir)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moeswap" / "tokenizers"
+
+
+# --- GGUF ---------------------------------------------------------------------------------
+
+def tokenizer_from_gguf(gguf: GGUFFile, *, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
+    model = gguf.get("tokenizer.ggml.model")
+    if model not in ("llama", "gpt2"):
+        raise MoeswapError(
+            f"{gguf.path}: tokenizer.ggml.model is {model!r}; moeswap reads 'llama' "
+            "(SentencePiece) and 'gpt2' (byte-level BPE) vocabularies. Convert the model with "
+            "a tokenizer of one of those kinds, or load its Hugging Face folder instead.")
+    if gguf.get("tokenizer.ggml.tokens") is None:
+        raise MoeswapError(f"{gguf.path}: no tokenizer.ggml.tokens key; the file has no "
+                           "vocabulary. Re-convert it with llama.cpp's convert_hf_to_gguf.py.")
+    cache_path = Path(cache_dir or default_cache_dir()) / f"{tokenizer_metadata_hash(gguf)}.json"
+    backend = _read_cached(cache_path)
+    if backend is None:
+        backend = convert_gguf_vocabulary(gguf)
+        _write_cached(cache_path, backend)
+    specials = gguf_special_tokens(gguf, backend)
+    _set_bos_eos_processor(backend, specials)
+    return Tokenizer(backend, specials, gguf.get("tokenizer.chat_template"))
+
+
+def tokenizer_metadata_hash(gguf: GGUFFile) -> str:
+    """sha256 over the raw bytes of every tokenizer.ggml.* record (the chat template aside)."""
+    digest = hashlib.sha256(f"moeswap-tokenizer-v{CONVERSION_VERSION}".encode())
+    digest.update(str(gguf.architecture).encode())
+    for key in sorted(k for k in gguf.kv if k.startswith("tokenizer.ggml.")):
+        item = gguf.kv[key]
+        digest.update(bytes(gguf.buffer[item.start:item.end]))
+    return digest.hexdigest()[:32]
+
+
+def gguf_special_tokens(gguf: GGUFFile, backend: tokenizers.Tokenizer) -> SpecialTokens:
+    """BOS/EOS ids, add_bos/add_eos and the stop set, with llama.cpp's defaults."""
+    model = gguf.get("tokenizer.ggml.model")
+    n_vocab = len(gguf.get("tokenizer.ggml.tokens"))
+
+    def token_id(key: str, default: int | None) -> int | None:
+        value = gguf.get(f"tokenizer.ggml.{key}", default)
+        return value if value is not None and 0 <= value < n_vocab else default
+
+    spm = model == "llama"
+    bos_id = token_id("bos_token_id", 1 if spm else None)
+    eos_id = token_id("eos_token_id", 2 if spm else None)
+    default_add_bos = spm or gguf.get("tokenizer.ggml.pre") in BPE_PRE_TYPES_WITH_BOS
+    add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", default_add_bos))
+    add_eos = bool(gguf.get("tokenizer.ggml.add_eos_token", False))
+
+    stop_ids = {i for key in EOG_ID_KEYS if (i := token_id(key, None)) is not None}
+    if eos_id is not None:
+        stop_ids.add(eos_id)
+    # (Looked up in the built vocabulary: decoding all 262k strings of the file costs 0.2 s.)
+    by_text = {text: i for text in EOG_TOKEN_TEXTS if (i := backend.token_to_id(text)) is not None}
+    stop_ids.update(by_text.values())
+    # llama.cpp's harmony/solar-open rule: there "<|end|>" ends a message, not the generation.
+    if "<|end|>" in by_text and (({"<|return|>", "<|call|>"} <= by_text.keys())
+                                 or {"<|calls|>", "<|flush|>"} <= by_text.keys()):
+        stop_ids.discard(by_text["<|end|>"])
+    # ... and its gemma4/plamo rule: "</s>" is an ordinary token where these exist.
+    if "</s>" in by_text and ("<|tool_response>" in by_text or "<|plamo:eos|>" in by_text):
+        stop_ids.discard(by_text["</s>"])
+    return SpecialTokens(bos_id, eos_id, frozenset(stop_ids), add_bos, add_eos)
+
+
+def convert_gguf_vocabulary(gguf: GGUFFile) -> tokenizers.Tokenizer:
+    """Build the tokenizer through transformers' GGUF converter, then set the prefix space."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+
+    fields = {
+        "tokenizer_type": "tokenizer.ggml.model", "pre_tokenizer_type": "tokenizer.ggml.pre",
+        "tokens": "tokenizer.ggml.tokens", "scores": "tokenizer.ggml.scores",
+        "token_type": "tokenizer.ggml.token_type", "merges": "tokenizer.ggml.merges",
+        "bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+        "unk_token_id": "tokenizer.ggml.unknown_token_id",
+        "pad_token_id": "tokenizer.ggml.padding_token_id",
+    }
+    vocabulary = {}
+    for name, key in fields.items():
+        value = gguf.get(key)
+        if value is None:
+            continue
+        vocabulary[name] = value.tolist() if hasattr(value, "tolist") else (
+            value.to_list() if hasattr(value, "to_list") else value)
+    backend, _ = convert_gguf_tokenizer(gguf.architecture or "", vocabulary)
+    if vocabulary["tokenizer_type"] == "llama":
+        _set_spm_prefix_space(backend, bool(gguf.get("tokenizer.ggml.add_space_prefix", True)))
+    backend.post_processor = None
+    return backend
+
+
+def _set_spm_prefix_space(backend: tokenizers.Tokenizer, add_space_prefix: bool) -> None:
+    """llama.cpp escapes spaces as '▁' and, with add_space_prefix, puts one before the text and
+    after every special token (transformers' LlamaTokenizer only before the text)."""
+    # The normalizer runs on each stretch of text between special tokens, as llama.cpp's
+    # prefix does; Metaspace would not prefix text that already starts with a space.
+    replace_spaces = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = None
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace_spaces])
+        backend.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)])
+    else:
+        backend.normalizer = replace_spaces
+        backend.decoder = decoders.Sequence(steps)
+
+
+def _set_bos_eos_processor(backend: tokenizers.Tokenizer, specials: SpecialTokens) -> None:
+    pieces, special_ids = ["$A"], {}
+    for wanted, token_id, first in ((specials.add_bos, specials.bos_id, True),
+                                    (specials.add_eos, specials.eos_id, False)):
+        if wanted and token_id is not None:
+            text = backend.id_to_token(token_id)
+            pieces.insert(0, text) if first else pieces.append(text)
+            special_ids[text] = token_id
+    backend.post_processor = processors.TemplateProcessing(
+        single=pieces, pair=pieces + ["$B"], special_tokens=list(special_ids.items()))
+
+
+def _read_cached(path: Path) -> tokenizers.Tokenizer | None:
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception:  # missing, truncated or from another tokenizers version: rebuild it
+        return None
+
+
+def _write_cached(path: Path, backend: tokenizers.Tokenizer) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        backend.save(str(partial), pretty=False)
+        os.replace(partial, path)
+    except OSError:
+        pass  # an unwritable cache only costs time on the next load
+
+
+# --- Hugging Face folder ------------------------------------------------------------------
+
+def tokenizer_from_hf_folder(folder: Path) -> Tokenizer:
+    """tokenizer.json for the vocabulary; tokenizer_config.json, config.json and
+    generation_config.json for BOS/EOS, add_bos and the chat template."""
+    tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise MoeswapError(f"{folder}: no tokenizer.json. Save the tokenizer with "
+                           "transformers' tokenizer.save_pretrained(folder) (a fast tokenizer).")
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    tokenizer_config = _read_json(folder / "tokenizer_config.json")
+    model_config = _read_json(folder / "config.json")
+    generation_config = _read_json(folder / "generation_config.json")
+
+    def special_id(name: str) -> int | None:
+        token = tokenizer_config.get(name)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str) and backend.token_to_id(token) is not None:
+            return backend.token_to_id(token)
+        value = generation_config.get(f"{name}_id", model_config.get(f"{name}_id"))
+        return value[0] if isinstance(value, list) and value else value
+
+    bos_id, eos_id = special_id("bos_token"), special_id("eos_token")
+    stop_ids = {eos_id} if eos_id is not None else set()
+    for config in (model_config, generation_config):
+        value = config.get("eos_token_id")
+        stop_ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    probe = backend.encode("", add_special_tokens=True).ids
+    specials = SpecialTokens(bos_id, eos_id, frozenset(stop_ids),
+                             add_bos=bos_id is not None and bos_id in probe[:1],
+                             add_eos=eos_id is not None and eos_id in probe[-1:])
+    return Tokenizer(backend, specials, _hf_chat_template(folder, tokenizer_config))
+
+
+def _hf_chat_template(folder: Path, tokenizer_config: dict) -> str | None:
+    template_file = folder / "chat_template.jinja"
+    if template_file.exists():
+        return template_file.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _read_json(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise MoeswapError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); "
+                           "fix or re-save the file.") from None
