@@ -283,11 +283,12 @@ class MoEView:
         return None
 
     def expert_width_from_shapes(self) -> int | None:
-        """n_ff_exp: ne1 of gate/up {D, F, E}, ne0 of down {F, D, E}, half ne1 of gate_up."""
+        """n_ff_exp: ne1 of gate/up {D, F(, E)}, ne0 of down {F, D(, E)}, half ne1 of gate_up;
+        stacked and one-expert-per-tensor layouts alike."""
         for layer in self.layers:
             for t in layer.of(ROUTED):
                 role = self.roles[t.name]
-                if role.kind != "weight" or split_expert(t.name) or len(t.shape) != 3:
+                if role.kind != "weight" or len(t.shape) < 2:
                     continue
                 if role.part in ("gate", "up"):
                     return t.shape[1]
