@@ -1,0 +1,85 @@
+"""Replay a routing trace through cache policies and count hits.
+
+The cache model (docs/TRACES.md, "Cache model"): tokens are processed one at a time in
+trace order; at each traced layer a token's k chosen experts are k requests, in router
+order; a policy may admit or bypass a miss. ``per-layer``: each layer has its own cache of
+``capacity`` experts and sees only its layer's requests. ``global``: one cache of
+``capacity x L`` slots sees every request, keyed (layer, expert), token-major then layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeswap.experts.policies import CachePolicy, Key
+from moeswap.routing.traces import RoutingTrace
+
+SCOPES = ("per-layer", "global")
+
+
+@dataclass(frozen=True)
+class CacheContext:
+    """What a policy factory may know about the cache it builds."""
+
+    capacity: int
+    requests: list  # the whole request stream this cache will see (only offline policies may use it)
+    layer: int | None  # traced layer index of a per-layer cache; None for the global cache
+
+
+PolicyFactory = Callable[[CacheContext], CachePolicy]
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    capacity: int
+    scope: str
+    hits: np.ndarray  # [L] hits per traced layer
+    requests: np.ndarray  # [L] requests per traced layer
+
+    @property
+    def hit_rate(self) -> float:
+        total = int(self.requests.sum())
+        return float(self.hits.sum()) / total if total else 0.0
+
+
+def layer_requests(trace: RoutingTrace, layer: int) -> list[int]:
+    """One layer's request stream: each recorded token's k experts in router order."""
+    ids = trace.expert_ids[:, layer]  # [T, k]
+    return ids[ids[:, 0] >= 0].reshape(-1).tolist()
+
+
+def global_requests(trace: RoutingTrace) -> list[tuple[int, int]]:
+    """All requests keyed (layer, expert), token-major then layer then router order."""
+    T, L, k = trace.expert_ids.shape
+    valid = np.repeat(trace.valid[:, :, None], k, axis=2)  # [T, L, k]
+    layer_index = np.broadcast_to(np.arange(L)[None, :, None], (T, L, k))  # [T, L, k]
+    return list(zip(layer_index[valid].tolist(), trace.expert_ids[valid].tolist()))
+
+
+def simulate(trace: RoutingTrace, name: str, factory: PolicyFactory, capacity: int, scope: str) -> SimResult:
+    """Hit counts of one policy at one capacity (experts per layer) over the whole trace."""
+    L = trace.n_layers
+    hits, requests = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64)
+    if scope == "per-layer":
+        for layer in range(L):
+            stream = layer_requests(trace, layer)
+            hits[layer] = _replay(factory(CacheContext(capacity, stream, layer)), stream)
+            requests[layer] = len(stream)
+    elif scope == "global":
+        stream = global_requests(trace)
+        policy = factory(CacheContext(capacity * L, stream, None))
+        for key in stream:
+            requests[key[0]] += 1
+            hits[key[0]] += policy.access(key).hit
+    else:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    return SimResult(name, capacity, scope, hits, requests)
+
+
+def _replay(policy: CachePolicy, stream: list[Key]) -> int:
+    access = policy.access
+    return sum(access(key).hit for key in stream)
