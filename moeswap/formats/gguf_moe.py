@@ -297,6 +297,17 @@ class MoEView:
                 return t.shape[1] // 2
         return None
 
+    @property
+    def expert_width(self) -> int | None:
+        """n_ff_exp: the key, else Mixtral-style `llama`'s feed_forward_length, else the shapes."""
+        if self.metadata.expert_feed_forward_length is not None:
+            return self.metadata.expert_feed_forward_length
+        if self.metadata.architecture == "llama" and self.is_moe:
+            n_ff = _int_value(self.file, "feed_forward_length")
+            if n_ff is not None:
+                return n_ff
+        return self.expert_width_from_shapes()
+
     def _n_expert(self) -> int:
         return self.metadata.expert_count or self.expert_count_from_shapes() or 0
 

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
 from gguf import GGUFValueType
+from rich.console import Console
+from rich.table import Table
 
 from moeswap.errors import GGUFFormatError
 from moeswap.formats.gguf_file import TYPE_SHORT_NAMES, GGUFFile
@@ -45,6 +47,11 @@ class Rule:
 class Report:
     path: str
     findings: list[Finding]
+
+    @property
+    def readable(self) -> bool:
+        """False when the header could not be parsed (the one finding says why)."""
+        return not any(RULES_BY_ID[f.rule].check is None for f in self.findings)
 
     @property
     def exit_code(self) -> int:
@@ -371,3 +378,18 @@ def diagnose(path: str | os.PathLike) -> Report:
         return Report(str(path), check(gf))
     finally:
         gf.close()
+
+
+def render(report: Report, console: Console) -> None:
+    if not report.findings:
+        console.print(f"{report.path}: no problems found")
+        return
+    table = Table(title=f"{report.path}: {len(report.findings)} finding(s)")
+    table.add_column("severity")
+    table.add_column("rule", no_wrap=True)
+    table.add_column("problem", overflow="fold", ratio=3)
+    table.add_column("fix", overflow="fold", ratio=2)
+    for f in report.findings:
+        style = "red" if f.severity == ERROR else "yellow"
+        table.add_row(f"[{style}]{f.severity}[/]", f.rule, f.message, f.fix)
+    console.print(table)
