@@ -1,0 +1,103 @@
+"""The ggml C functions moeswap calls, bound with ctypes from llama-cpp-python's own ggml.
+
+llama-cpp-python ships ggml as shared libraries (``llama_cpp/lib/libggml-base``,
+``libggml-cpu``) built for the installing machine's CPU. Binding those, instead of building a
+second ggml, gives our quantized products exactly llama.cpp's kernels (see docs/KERNELS.md).
+
+Only stable, opaque-pointer API is declared here: the one struct we lay out ourselves is
+``ggml_init_params`` (unchanged since ggml's first release); the thread-pool parameters are
+filled by ggml itself into a buffer we never read. Every return type is declared, so no
+pointer is truncated to a C int.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+from moeswap.errors import MoeswapError
+
+_VOID_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_SIZE = ctypes.c_size_t
+_INT = ctypes.c_int
+_BOOL = ctypes.c_bool
+
+# Room for ggml_threadpool_params (cpumask[GGML_MAX_N_THREADS=512] + 4 ints/bools: 528 bytes
+# today), filled by ggml_threadpool_params_init and only passed back by pointer.
+THREADPOOL_PARAMS_BYTES = 4096
+
+INSTALL_HINT = "install it with `pip install llama-cpp-python` (it builds ggml for this CPU)"
+
+
+class InitParams(ctypes.Structure):
+    """struct ggml_init_params."""
+
+    _fields_ = [("mem_size", _SIZE), ("mem_buffer", _VOID_P), ("no_alloc", _BOOL)]
+
+
+# name -> (library, return type, argument types)
+_SIGNATURES = {
+    "ggml_init": ("base", _VOID_P, [InitParams]),
+    "ggml_free": ("base", None, [_VOID_P]),
+    "ggml_tensor_overhead": ("base", _SIZE, []),
+    "ggml_graph_overhead_custom": ("base", _SIZE, [_SIZE, _BOOL]),
+    "ggml_new_tensor_2d": ("base", _VOID_P, [_VOID_P, _INT, _I64, _I64]),
+    "ggml_new_tensor_3d": ("base", _VOID_P, [_VOID_P, _INT, _I64, _I64, _I64]),
+    "ggml_mul_mat": ("base", _VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
+    "ggml_mul_mat_id": ("base", _VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P]),
+    "ggml_new_graph_custom": ("base", _VOID_P, [_VOID_P, _SIZE, _BOOL]),
+    "ggml_build_forward_expand": ("base", None, [_VOID_P, _VOID_P]),
+    "ggml_nbytes": ("base", _SIZE, [_VOID_P]),
+    "ggml_row_size": ("base", _SIZE, [_INT, _I64]),
+    "ggml_quantize_chunk": ("base", _SIZE, [_INT, _VOID_P, _VOID_P, _I64, _I64, _I64, _VOID_P]),
+    "ggml_quantize_requires_imatrix": ("base", _BOOL, [_INT]),
+    "ggml_version": ("base", ctypes.c_char_p, []),
+    "ggml_backend_cpu_buffer_from_ptr": ("base", _VOID_P, [_VOID_P, _SIZE]),
+    "ggml_backend_tensor_alloc": ("base", _INT, [_VOID_P, _VOID_P, _VOID_P]),
+    "ggml_backend_buffer_free": ("base", None, [_VOID_P]),
+    "ggml_backend_graph_compute": ("base", _INT, [_VOID_P, _VOID_P]),
+    "ggml_backend_free": ("base", None, [_VOID_P]),
+    "ggml_threadpool_params_init": ("base", None, [_VOID_P, _INT]),
+    "ggml_backend_cpu_init": ("cpu", _VOID_P, []),
+    "ggml_backend_cpu_set_n_threads": ("cpu", None, [_VOID_P, _INT]),
+    "ggml_backend_cpu_set_threadpool": ("cpu", None, [_VOID_P, _VOID_P]),
+    "ggml_threadpool_new": ("cpu", _VOID_P, [_VOID_P]),
+    "ggml_threadpool_free": ("cpu", None, [_VOID_P]),
+}
+
+
+class GGML:
+    """The loaded libraries, with every function in ``_SIGNATURES`` as an attribute."""
+
+    def __init__(self, lib_dir: Path):
+        suffix = ".dylib" if sys.platform == "darwin" else ".so"
+        libraries = {}
+        for key, stem in (("base", "libggml-base"), ("cpu", "libggml-cpu")):
+            path = lib_dir / f"{stem}{suffix}"
+            if not path.exists():
+                raise MoeswapError(
+                    f"{path}: llama-cpp-python's ggml library is missing (was it built with "
+                    f"GGML_BACKEND_DL?); reinstall it with `pip install --force-reinstall "
+                    f"--no-cache-dir llama-cpp-python`")
+            # RTLD_GLOBAL: llama_cpp, if imported too, then shares these same copies.
+            libraries[key] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        self.lib_dir = lib_dir
+        for name, (library, restype, argtypes) in _SIGNATURES.items():
+            function = getattr(libraries[library], name)
+            function.restype = restype
+            function.argtypes = argtypes
+            setattr(self, name, function)
+        self.version = self.ggml_version().decode()
+
+
+@functools.lru_cache(maxsize=1)
+def load_ggml() -> GGML:
+    """Load ggml once per process (the dynamic loader keeps a single copy anyway)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise MoeswapError(f"quantized CPU kernels need llama-cpp-python; {INSTALL_HINT}")
+    return GGML(Path(spec.origin).parent / "lib")

@@ -1,0 +1,302 @@
+"""Matrix products computed directly on stored quantized bytes, on the CPU, through ggml.
+
+One ``CpuKernels`` object owns what every product shares: ggml's CPU backend, a persistent
+thread pool, and a scratch area that inputs are copied into and outputs read from. Weights are
+bound once, without copying, as ``QuantMatrix`` (one ``[out, in]`` matrix: a dense layer or a
+single expert) or ``QuantExperts`` (a stack ``[E, out, in]`` multiplied per token by the experts
+the router picked). For each token count a one-node ggml graph is built on first use and kept,
+so a call costs two copies and one ``ggml_backend_graph_compute``.
+
+ggml quantizes the activations on the fly to the type its dot product wants (Q8_K for the
+K-quants, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, ...); docs/KERNELS.md gives the accuracy this costs.
+The result for one token does not depend on where the bytes lie or on the thread count, so an
+expert computed from any tier gives the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from moeswap.errors import MoeswapError
+from moeswap.quant.ggml_lib import GGML, THREADPOOL_PARAMS_BYTES, InitParams, load_ggml
+
+# Weight types whose products are tested against the reference (tests/test_quant_kernels.py).
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"))
+
+# Longer inputs (prefill) are cut into pieces of this many tokens, so each weight keeps at most
+# this many prepared graphs.
+MAX_TOKENS_PER_CALL = 32
+
+# Scratch regions. Reserved as anonymous virtual memory: only the pages a call touches are ever
+# committed. 256 MiB holds 32 tokens x 8 experts x 262144 floats.
+_REGION_BYTES = 256 << 20
+_INPUT_OFFSET, _IDS_OFFSET, _OUTPUT_OFFSET = 0, _REGION_BYTES, 2 * _REGION_BYTES
+_SCRATCH_BYTES = 3 * _REGION_BYTES
+_TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT; ggml aborts on less-aligned weight bytes
+_F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
+
+
+def default_thread_count() -> int:
+    """All cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+class CpuKernels:
+    """The shared CPU runtime: backend, thread pool, scratch. Calls are serialised by a lock."""
+
+    def __init__(self, n_threads: int | None = None):
+        self.ggml = ggml = load_ggml()
+        self.n_threads = n_threads or default_thread_count()
+        if self.n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {self.n_threads}")
+        self._backend = ggml.ggml_backend_cpu_init()
+        ggml.ggml_backend_cpu_set_n_threads(self._backend, self.n_threads)
+        # Without a pool of its own, ggml would start and join threads on every call.
+        params = ctypes.create_string_buffer(THREADPOOL_PARAMS_BYTES)
+        ggml.ggml_threadpool_params_init(params, self.n_threads)
+        self._threadpool = ggml.ggml_threadpool_new(params)
+        ggml.ggml_backend_cpu_set_threadpool(self._backend, self._threadpool)
+        self._scratch = mmap.mmap(-1, _SCRATCH_BYTES)
+        self._scratch_view = ctypes.c_char.from_buffer(self._scratch)
+        self.scratch_address = ctypes.addressof(self._scratch_view)
+        self._scratch_buffer = ggml.ggml_backend_cpu_buffer_from_ptr(
+            self.scratch_address, _SCRATCH_BYTES)
+        self._lock = threading.Lock()
+        # The mmap itself is released by the garbage collector once this object is gone.
+        weakref.finalize(self, _free_runtime, ggml, self._backend, self._threadpool,
+                         self._scratch_buffer)
+
+    def matrix(self, raw, ggml_type: int, ne: tuple[int, int]) -> QuantMatrix:
+        """Bind one matrix of GGUF shape ``ne = (in, out)`` stored in ``raw`` (not copied)."""
+        return QuantMatrix(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 2))
+
+    def experts(self, raw, ggml_type: int, ne: tuple[int, int, int]) -> QuantExperts:
+        """Bind an expert stack of GGUF shape ``ne = (in, out, E)`` stored in ``raw``."""
+        return QuantExperts(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 3))
+
+    def scratch_tensor(self, context: int, ggml_type: int, ne: tuple[int, ...],
+                       offset: int) -> int:
+        """A new tensor of ``context`` whose data is the scratch region at ``offset``."""
+        tensor = self.ggml.ggml_new_tensor_3d(context, ggml_type, *ne, *([1] * (3 - len(ne))))
+        self.place_in_scratch(tensor, offset)
+        return tensor
+
+    def place_in_scratch(self, tensor: int, offset: int) -> None:
+        """Point ``tensor``'s data at the scratch region starting at ``offset``."""
+        n_bytes = self.ggml.ggml_nbytes(tensor)
+        if n_bytes > _REGION_BYTES:  # checked here: ggml would abort the process
+            raise MoeswapError(f"a product needing {n_bytes} bytes of scratch exceeds the "
+                               f"{_REGION_BYTES}-byte region; call with fewer picked experts")
+        _check_status(self.ggml.ggml_backend_tensor_alloc(
+            self._scratch_buffer, tensor, self.scratch_address + offset), "scratch tensor")
+
+    def run(self, graph: int, inputs: list[tuple[int, int, int]], output: tuple[int, int]):
+        """Copy ``inputs`` (scratch offset, source address, bytes) in, compute, copy out."""
+        with self._lock:
+            for offset, source, n_bytes in inputs:
+                ctypes.memmove(self.scratch_address + offset, source, n_bytes)
+            _check_status(self.ggml.ggml_backend_graph_compute(self._backend, graph), "compute")
+            destination, n_bytes = output
+            ctypes.memmove(destination, self.scratch_address + _OUTPUT_OFFSET, n_bytes)
+
+
+@dataclass
+class _Weight:
+    """A weight tensor living in a ggml context, its data pointing at the caller's bytes."""
+
+    ggml_type: int
+    ne: tuple[int, ...]
+    tensor: int
+    contexts: list[int]  # the weight's own, then one per prepared graph; freed together
+    keep_alive: object  # the array whose memory the tensor points into
+
+
+def _bind_weight(ggml: GGML, raw, ggml_type: int, ne: tuple[int, ...], dims: int) -> _Weight:
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+        raise MoeswapError(f"weight type {ggml_type.name} has no CPU kernel here; "
+                           f"supported: {supported} (requantize the file, e.g. to Q8_0)")
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if len(ne) != dims or ne[0] % block_size:
+        raise MoeswapError(f"a {ggml_type.name} weight of shape {list(ne)} cannot be multiplied: "
+                           f"need {dims} dimensions and a first dimension divisible by "
+                           f"{block_size}")
+    data = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
+    data = data.reshape(-1).view(np.uint8)
+    expected = ne[0] // block_size * type_size * int(np.prod(ne[1:]))
+    if data.nbytes != expected:
+        raise MoeswapError(f"a {ggml_type.name} weight of shape {list(ne)} takes {expected} bytes, "
+                           f"got {data.nbytes}: the tensor's offset or shape is wrong")
+    if data.ctypes.data % _TENSOR_ALIGNMENT:
+        data = _aligned_copy(data)  # GGUF data is 32-byte aligned; only odd buffers land here
+    context = ggml.ggml_init(InitParams(ggml.ggml_tensor_overhead(), None, True))
+    new = ggml.ggml_new_tensor_2d if dims == 2 else ggml.ggml_new_tensor_3d
+    tensor = new(context, int(ggml_type), *ne)
+    buffer = ggml.ggml_backend_cpu_buffer_from_ptr(data.ctypes.data, data.nbytes)
+    _check_status(ggml.ggml_backend_tensor_alloc(buffer, tensor, data.ctypes.data), "weight")
+    weight = _Weight(int(ggml_type), ne, tensor, [context], data)
+    weakref.finalize(weight, _free_weight, ggml, weight.contexts, buffer)
+    return weight
+
+
+class QuantMatrix:
+    """``y = x @ W.T`` for one stored matrix W of GGUF shape (in, out)."""
+
+    def __init__(self, kernels: CpuKernels, weight: _Weight):
+        self.kernels = kernels
+        self.weight = weight
+        self.in_features, self.out_features = weight.ne
+        self._graphs: dict[int, int] = {}
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out] float32 (T: tokens)."""
+        x = _float_rows(x, self.in_features)
+        y = torch.empty(x.shape[0], self.out_features)  # [T, out]
+        for start in range(0, x.shape[0], MAX_TOKENS_PER_CALL):
+            piece = x[start:start + MAX_TOKENS_PER_CALL]  # [t, in]
+            graph = self._graph(piece.shape[0])
+            self.kernels.run(graph, [(_INPUT_OFFSET, piece.data_ptr(), piece.nbytes)],
+                             (y[start:].data_ptr(), piece.shape[0] * self.out_features * 4))
+        return y
+
+    def _graph(self, n_tokens: int) -> int:
+        if n_tokens not in self._graphs:
+            kernels, context = self.kernels, _graph_context(self.kernels.ggml, self.weight)
+            x = kernels.scratch_tensor(context, _F32, (self.in_features, n_tokens), _INPUT_OFFSET)
+            y = kernels.ggml.ggml_mul_mat(context, self.weight.tensor, x)  # ne (out, t)
+            self._graphs[n_tokens] = _one_node_graph(kernels, context, y)
+        return self._graphs[n_tokens]
+
+
+class QuantExperts:
+    """Per-token products with the experts a router picked, from a stack of GGUF shape (in, out, E)."""
+
+    def __init__(self, kernels: CpuKernels, weight: _Weight):
+        self.kernels = kernels
+        self.weight = weight
+        self.in_features, self.out_features, self.n_experts = weight.ne
+        self._graphs: dict[tuple[int, int, int], int] = {}
+
+    def matmul(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] (one row for all picks) or [T, K, in]; ids: [T, K] -> [T, K, out].
+
+        T: tokens, K: experts picked per token; out[t, k] = W[ids[t, k]] @ x[t(, k)].
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"ids must be [tokens, picked], got shape {tuple(ids.shape)}")
+        n_tokens, n_picked = ids.shape
+        rows = x.reshape(n_tokens, -1, x.shape[-1])  # [T, S, in], S = 1 or K
+        if rows.shape[1] not in (1, n_picked):
+            raise ValueError(f"x must be [T, in] or [T, {n_picked}, in], got {tuple(x.shape)}")
+        per_token = rows.shape[1]
+        rows = _float_rows(rows.reshape(-1, x.shape[-1]), self.in_features)  # [T*S, in]
+        picks = ids.to(torch.int32).contiguous()  # [T, K]
+        picks_np = picks.numpy()
+        if picks_np.size and (picks_np.min() < 0 or picks_np.max() >= self.n_experts):
+            raise ValueError(f"expert ids must lie in [0, {self.n_experts}), "
+                             f"got {picks_np.min()}..{picks_np.max()}")
+        y = torch.empty(n_tokens, n_picked, self.out_features)  # [T, K, out]
+        for start in range(0, n_tokens, MAX_TOKENS_PER_CALL):
+            stop = min(start + MAX_TOKENS_PER_CALL, n_tokens)
+            piece = rows[start * per_token:stop * per_token]  # [t*S, in]
+            piece_ids = picks[start:stop]  # [t, K]
+            graph = self._graph(stop - start, n_picked, per_token)
+            self.kernels.run(
+                graph,
+                [(_INPUT_OFFSET, piece.data_ptr(), piece.nbytes),
+                 (_IDS_OFFSET, piece_ids.data_ptr(), piece_ids.nbytes)],
+                (y[start:].data_ptr(), (stop - start) * n_picked * self.out_features * 4))
+        return y
+
+    def _graph(self, n_tokens: int, n_picked: int, per_token: int) -> int:
+        key = (n_tokens, n_picked, per_token)
+        if key not in self._graphs:
+            kernels, context = self.kernels, _graph_context(self.kernels.ggml, self.weight)
+            x = kernels.scratch_tensor(
+                context, _F32, (self.in_features, per_token, n_tokens), _INPUT_OFFSET)
+            ids = kernels.scratch_tensor(context, _I32, (n_picked, n_tokens), _IDS_OFFSET)
+            y = kernels.ggml.ggml_mul_mat_id(context, self.weight.tensor, x, ids)  # (out, K, t)
+            self._graphs[key] = _one_node_graph(kernels, context, y)
+        return self._graphs[key]
+
+
+def _graph_context(ggml: GGML, weight: _Weight) -> int:
+    """A metadata-only context for one graph: up to 4 tensors and a 4-node graph."""
+    size = 4 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(4, False)
+    context = ggml.ggml_init(InitParams(size, None, True))
+    weight.contexts.append(context)
+    return context
+
+
+def _one_node_graph(kernels: CpuKernels, context: int, result: int) -> int:
+    kernels.place_in_scratch(result, _OUTPUT_OFFSET)
+    graph = kernels.ggml.ggml_new_graph_custom(context, 4, False)
+    kernels.ggml.ggml_build_forward_expand(graph, result)
+    return graph
+
+
+def _float_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"expected input [tokens, {width}], got {tuple(x.shape)}")
+    return x.detach().to("cpu", torch.float32).contiguous()
+
+
+def _aligned_copy(data: np.ndarray) -> np.ndarray:
+    spare = np.empty(data.nbytes + _TENSOR_ALIGNMENT, dtype=np.uint8)
+    start = -spare.ctypes.data % _TENSOR_ALIGNMENT
+    aligned = spare[start:start + data.nbytes]
+    aligned[:] = data
+    return aligned
+
+
+def _check_status(status: int, what: str) -> None:
+    if status != 0:  # GGML_STATUS_SUCCESS
+        raise RuntimeError(f"ggml failed ({what}): status {status}")
+
+
+def _free_weight(ggml: GGML, contexts: list[int], buffer: int) -> None:
+    for context in contexts:
+        ggml.ggml_free(context)
+    ggml.ggml_backend_buffer_free(buffer)
+
+
+def _free_runtime(ggml: GGML, backend: int, threadpool: int, buffer: int) -> None:
+    ggml.ggml_backend_free(backend)
+    ggml.ggml_threadpool_free(threadpool)
+    ggml.ggml_backend_buffer_free(buffer)
+
+
+def quantize_rows(values: np.ndarray, ggml_type: int) -> np.ndarray:
+    """values: [rows, in] float -> the stored bytes [rows, row_bytes] uint8, by ggml's quantizer.
+
+    gguf-py cannot quantize the K-quants; ggml can quantize every supported type.
+    """
+    ggml, ggml_type = load_ggml(), GGMLQuantizationType(ggml_type)
+    if ggml.ggml_quantize_requires_imatrix(int(ggml_type)):
+        raise MoeswapError(f"{ggml_type.name} needs an importance matrix to quantize")
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    rows, width = values.shape
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    if width % block_size:
+        raise MoeswapError(f"{ggml_type.name} rows must be a multiple of {block_size} wide")
+    out = np.empty((rows, width // block_size * type_size), dtype=np.uint8)
+    if ggml_type == GGMLQuantizationType.F32:  # ggml_quantize_chunk does not take F32
+        out[:] = values.view(np.uint8)
+    else:
+        ggml.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data,
+                                 0, rows, width, None)
+    return out
