@@ -1,0 +1,1 @@
+"""Expert residency: which routed experts stay in fast memory."""

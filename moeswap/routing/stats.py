@@ -176,3 +176,32 @@ def trace_stats(trace: RoutingTrace) -> TraceStats:
         next_layer_conditional=conditional.tolist(),
         next_layer_popular=popular.tolist(),
     )
+
+
+def render_stats(stats: TraceStats, console) -> None:
+    """Per-layer table of the statistics, then one line per whole-trace figure."""
+    from rich.table import Table
+
+    table = Table(title=f"{stats.model}: {stats.n_tokens} tokens, {stats.n_prompts} prompts, "
+                        f"{stats.n_experts} experts, top-{stats.k}")
+    for column in ("block", "gini", "entropy (bits)", "top-10% share", "reuse 1st", f"reuse any-of-{stats.k}",
+                   "next-layer guess", "popular guess"):
+        table.add_column(column, justify="right")
+    L = len(stats.layers)
+    for i in range(L):
+        has_next = i < L - 1
+        table.add_row(
+            str(stats.layers[i]), f"{stats.gini[i]:.3f}", f"{stats.entropy_bits[i]:.3f}",
+            f"{stats.top10_share[i]:.1%}", f"{stats.reuse_first[i]:.1%}", f"{stats.reuse_any[i]:.1%}",
+            f"{stats.next_layer_conditional[i]:.1%}" if has_next else "",
+            f"{stats.next_layer_popular[i]:.1%}" if has_next else "",
+        )
+    console.print(table)
+    console.print(f"random routing would give: reuse 1st {stats.random_reuse_first:.1%}, "
+                  f"any-of-{stats.k} {stats.random_reuse_any:.1%}, entropy {math.log2(stats.n_experts):.3f} bits")
+    distances = np.asarray(stats.reuse_distance_counts)
+    if distances.sum():
+        median = int(np.searchsorted(np.cumsum(distances), distances.sum() / 2))
+        console.print(f"reuse distance: median {median} tokens, {distances[1] / distances.sum():.1%} at distance 1")
+    console.print("next-layer guesses are fitted on this trace (in-sample): the share of layer l+1's experts "
+                  "guessed from layer l's, versus guessing l+1's most used experts")

@@ -1,0 +1,106 @@
+"""`moeswap stats`, `simulate`, `profile`, `import-trace`: parse arguments, call moeswap.routing."""
+
+from __future__ import annotations
+
+import json
+
+from rich.console import Console
+from rich.progress import track
+
+from moeswap.errors import MoeswapError
+from moeswap.routing import importers, plots, profile, simulate, stats
+from moeswap.routing.traces import RoutingTrace
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("stats", help="routing statistics of a trace: popularity, reuse, predictability")
+    p.add_argument("trace", help="a moeswap trace (.npz)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--plots", metavar="DIR", help="also write popularity, reuse-distance and hit-rate PNGs here")
+    p.set_defaults(handler=run_stats)
+
+    p = subparsers.add_parser("simulate", help="replay a trace through cache policies; hit rate per capacity")
+    p.add_argument("trace", help="a moeswap trace (.npz)")
+    p.add_argument("--policy", default="lru,lfu,belady", help=f"comma-separated: {simulate.POLICY_HELP}")
+    p.add_argument("--capacity", default="1,2,4", help="comma-separated experts per layer, e.g. 2,4,8")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--per-layer", dest="scope", action="store_const", const="per-layer",
+                       help="one cache per layer (default)")
+    scope.add_argument("--global", dest="scope", action="store_const", const="global",
+                       help="one cache of capacity x layers shared by all layers")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=run_simulate, scope="per-layer")
+
+    p = subparsers.add_parser("profile", help="the hot experts of a trace (for --pin-profile) and its reuse table")
+    p.add_argument("trace", help="a moeswap trace (.npz)")
+    p.add_argument("--budget", type=int, required=True, help="experts to pin, in total over all layers")
+    p.add_argument("--per-layer", action="store_true", help="--budget counts experts per layer instead")
+    p.add_argument("-o", "--output", required=True, help="profile .json to write")
+    p.set_defaults(handler=run_profile)
+
+    p = subparsers.add_parser("import-trace", help="convert a JSONL, Switch router-trace JSON or CSV trace")
+    p.add_argument("source", help=".jsonl (one row per problem, layer, token), router-trace .json, or "
+                                  ".csv (phase,n_tokens,layer,token_idx,e0..)")
+    p.add_argument("-o", "--output", required=True, help="moeswap trace (.npz) to write")
+    p.add_argument("--model", help="model name to record (default: what the source implies)")
+    p.add_argument("--arch", help="architecture to record, e.g. llama, qwen3moe")
+    p.add_argument("--experts", type=int, help="routed experts per layer (default: largest id seen + 1)")
+    p.set_defaults(handler=run_import)
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise MoeswapError(f"{option} {text!r}: give comma-separated whole numbers, e.g. 2,4,8") from None
+    if not values or min(values) < 0:
+        raise MoeswapError(f"{option} {text!r}: give at least one number, none negative")
+    return values
+
+
+def run_stats(args) -> int:
+    trace = RoutingTrace.load(args.trace)
+    result = stats.trace_stats(trace)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        stats.render_stats(result, Console())
+    if args.plots:
+        specs = ["lru", "lfu", "lfuda", "belady"]
+        capacities = list(range(1, trace.n_experts + 1))
+        curves = list(track(simulate.simulate_grid(trace, specs, capacities, "per-layer"),
+                            total=len(specs) * len(capacities), description="simulating",
+                            console=Console(stderr=True), transient=True))
+        for path in plots.write_plots(result, curves, args.plots):
+            Console(stderr=True).print(f"wrote {path}")
+    return 0
+
+
+def run_simulate(args) -> int:
+    trace = RoutingTrace.load(args.trace)
+    specs = [s.strip() for s in args.policy.split(",") if s.strip()]
+    capacities = _int_list(args.capacity, "--capacity")
+    results = list(track(simulate.simulate_grid(trace, specs, capacities, args.scope),
+                         total=len(specs) * len(capacities), description="simulating",
+                         console=Console(stderr=True), transient=True))
+    if args.json:
+        print(json.dumps(simulate.results_json(results), indent=1))
+    else:
+        simulate.render_results(results, Console())
+    return 0
+
+
+def run_profile(args) -> int:
+    trace = RoutingTrace.load(args.trace)
+    result = profile.build_profile(trace, args.budget, args.per_layer, source=f"profiled from {args.trace}")
+    result.save(args.output)
+    print(f"wrote {args.output}: {result.budget} hot experts over {len(result.layers)} layers")
+    return 0
+
+
+def run_import(args) -> int:
+    trace = importers.import_trace(args.source, model=args.model, arch=args.arch, n_experts=args.experts)
+    trace.save(args.output)
+    print(f"wrote {args.output}: {trace.n_tokens} tokens, {trace.n_prompts} prompts, "
+          f"{trace.n_layers} layers, {trace.n_experts} experts, top-{trace.k}")
+    return 0
