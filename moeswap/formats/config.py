@@ -1,0 +1,311 @@
+"""ModelConfig: the hyperparameters of one model, read from GGUF keys or a HF config.json.
+
+One dataclass for every family; values a family does not use keep their neutral default.
+Derived values (head size, attention scale, which layers slide) are filled in ``__post_init__``.
+GGUF semantics are the reference: where llama.cpp hard-codes a per-architecture choice
+(NeoX RoPE, top-k renormalisation) the ``ARCH_TRAITS`` table says so, and a HF config is
+translated into the same fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeswap.errors import MoeswapError
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    rope_neox: bool  # rotate (x[i], x[i + d/2]) pairs; otherwise adjacent pairs, as llama.cpp's NORM
+    expert_weights_norm: bool  # llama.cpp's default renormalisation of the top-k weights
+    swa_pattern: int = 0  # default sliding-window pattern: every n-th layer is global (0: none)
+
+
+# llama.cpp's per-architecture constants (llama-model.cpp / src/models/*.cpp).
+ARCH_TRAITS = {
+    "llama": ArchTraits(rope_neox=False, expert_weights_norm=True),  # Mixtral, Llama, Mistral
+    "qwen2moe": ArchTraits(rope_neox=True, expert_weights_norm=False),
+    "qwen3moe": ArchTraits(rope_neox=True, expert_weights_norm=True),
+    "olmoe": ArchTraits(rope_neox=True, expert_weights_norm=False),
+    "granitemoe": ArchTraits(rope_neox=False, expert_weights_norm=True),
+    "gemma3": ArchTraits(rope_neox=True, expert_weights_norm=False, swa_pattern=6),
+}
+
+# HF ``architectures[0]`` -> GGUF ``general.architecture``.
+HF_ARCHITECTURES = {
+    "MixtralForCausalLM": "llama",
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "OlmoeForCausalLM": "olmoe",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "GraniteMoeSharedForCausalLM": "granitemoe",
+    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForConditionalGeneration": "gemma3",
+}
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # GGUF general.architecture
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ctx_train: int
+    rms_eps: float
+    n_ff: int = 0  # dense FFN width; 0 when every layer is MoE
+    head_dim: int = 0  # 0: n_embd // n_head
+    n_rot: int = 0  # rotated dims per head; 0: head_dim
+    rope_base: float = 10000.0
+    rope_scale: float = 1.0  # linear scaling factor: positions are divided by it
+    rope_base_swa: float = 10000.0  # RoPE base of sliding-window layers
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0  # shared expert width; 0: none
+    expert_weights_norm: bool | None = None  # None: the architecture's default
+    expert_weights_scale: float = 1.0
+    sliding_window: int = 0  # 0: full attention everywhere
+    swa_layers: tuple[bool, ...] = ()  # per layer; () with a window: the architecture's pattern
+    attention_scale: float = 0.0  # 0: 1/sqrt(head_dim)
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0  # logits are divided by it (Granite)
+    final_logit_softcap: float = 0.0
+    attn_logit_softcap: float = 0.0
+    tied_embeddings: bool = False
+    rope_neox: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        traits = ARCH_TRAITS.get(self.arch)
+        if traits is None:
+            raise MoeswapError(f"architecture '{self.arch}' is not supported "
+                               f"(supported: {', '.join(ARCH_TRAITS)})")
+        self.rope_neox = traits.rope_neox
+        if self.expert_weights_norm is None:
+            self.expert_weights_norm = traits.expert_weights_norm
+        if self.head_dim == 0:
+            self.head_dim = self.n_embd // self.n_head
+        if self.n_rot == 0:
+            self.n_rot = self.head_dim
+        if self.attention_scale == 0.0:
+            self.attention_scale = 1.0 / math.sqrt(self.head_dim)
+        if self.sliding_window and not self.swa_layers:
+            pattern = traits.swa_pattern
+            # llama.cpp's set_swa_pattern: layer i slides unless it is the last of each group
+            self.swa_layers = tuple(pattern == 0 or i % pattern < pattern - 1
+                                    for i in range(self.n_layer))
+        if not self.sliding_window:
+            self.swa_layers = (False,) * self.n_layer
+        self.swa_layers = tuple(bool(s) for s in self.swa_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+
+def config_from_gguf(gguf_file: Any) -> ModelConfig:
+    """ModelConfig from a GGUFFile's metadata, with llama.cpp's defaults for absent keys."""
+    arch = gguf_file.architecture
+    if arch is None:
+        raise MoeswapError(f"{gguf_file.path}: no general.architecture key; "
+                           "the file was not written by a llama.cpp-compatible converter")
+    if arch not in ARCH_TRAITS:
+        raise MoeswapError(f"{gguf_file.path}: architecture '{arch}' is not supported "
+                           f"(supported: {', '.join(ARCH_TRAITS)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = gguf_file.get(f"{arch}.{name}", default)
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+        return value
+
+    def required(name: str) -> Any:
+        value = key(name)
+        if value is None:
+            raise MoeswapError(f"{gguf_file.path}: required key '{arch}.{name}' is missing")
+        return value
+
+    embd = gguf_file.tensor("token_embd.weight")
+    if embd is None:
+        raise MoeswapError(f"{gguf_file.path}: tensor 'token_embd.weight' is missing")
+    n_layer = int(required("block_count"))
+    n_head = _uniform(gguf_file.path, f"{arch}.attention.head_count", required("attention.head_count"))
+    n_head_kv = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv",
+                         key("attention.head_count_kv", n_head))
+    pattern = key("attention.sliding_window_pattern")
+    swa_layers: tuple[bool, ...] = ()
+    if isinstance(pattern, list):
+        swa_layers = tuple(bool(p) for p in pattern)
+    elif pattern is not None:
+        swa_layers = tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layer))
+    scaling_type = key("rope.scaling.type", "linear")
+    rope_factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    if scaling_type not in ("none", "linear") and rope_factor not in (0.0, 1.0):
+        raise MoeswapError(f"{gguf_file.path}: RoPE scaling '{scaling_type}' is not supported "
+                           "(supported: none, linear)")
+    n_embd = int(required("embedding_length"))
+    head_dim = int(key("attention.key_length", 0))
+    embedding_scale = float(key("embedding_scale", 0.0) or 1.0)
+    attention_scale = float(key("attention.scale", 0.0))
+    if arch == "gemma3":
+        # Hard-coded in llama.cpp's gemma3 graph: embeddings times sqrt(n_embd), and the
+        # 27B model (62 layers) scales queries by n_embd / n_head instead of the head size.
+        embedding_scale = math.sqrt(n_embd)
+        if n_layer == 62:
+            attention_scale = 1.0 / math.sqrt(n_embd // n_head)
+    return ModelConfig(
+        arch=arch,
+        n_vocab=int(embd.shape[1]),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_ctx_train=int(key("context_length", 0)),
+        rms_eps=float(required("attention.layer_norm_rms_epsilon")),
+        n_ff=_uniform(gguf_file.path, f"{arch}.feed_forward_length", key("feed_forward_length", 0)),
+        head_dim=head_dim,
+        n_rot=int(key("rope.dimension_count", 0)),
+        rope_base=float(key("rope.freq_base", 10000.0)),
+        rope_scale=rope_factor if scaling_type == "linear" and rope_factor else 1.0,
+        rope_base_swa=float(key("rope.freq_base_swa", 10000.0)),
+        n_expert=int(key("expert_count", 0)),
+        n_expert_used=int(key("expert_used_count", 0)),
+        n_ff_exp=_uniform(gguf_file.path, f"{arch}.expert_feed_forward_length",
+                          key("expert_feed_forward_length", 0)),
+        n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
+        expert_weights_norm=key("expert_weights_norm"),
+        expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
+        sliding_window=int(key("attention.sliding_window", 0)),
+        swa_layers=swa_layers,
+        attention_scale=attention_scale,
+        embedding_scale=embedding_scale,
+        residual_scale=float(key("residual_scale", 0.0) or 1.0),
+        logit_scale=float(key("logit_scale", 0.0) or 1.0),
+        final_logit_softcap=float(key("final_logit_softcapping", 0.0)),
+        attn_logit_softcap=float(key("attn_logit_softcapping", 0.0)),
+        tied_embeddings=gguf_file.tensor("output.weight") is None,
+    )
+
+
+def _uniform(path: Any, name: str, value: Any) -> int:
+    """A per-layer array key is accepted when all layers agree; moeswap has one width per model."""
+    if isinstance(value, list):
+        if len(set(value)) > 1:
+            raise MoeswapError(f"{path}: '{name}' differs between layers ({value}); "
+                               "per-layer widths are not supported")
+        value = value[0]
+    return int(value)
+
+
+def read_hf_config(folder: Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MoeswapError(f"{folder}: no config.json; expected a Hugging Face model folder") from None
+    except json.JSONDecodeError as e:
+        raise MoeswapError(f"{path}: invalid JSON ({e})") from None
+    # Multimodal wrappers (Gemma3ForConditionalGeneration) keep the LM in text_config.
+    return {**raw, **raw.get("text_config", {}), "architectures": raw.get("architectures", [])}
+
+
+def hf_arch(hf: dict[str, Any], folder: Path) -> str:
+    names = hf.get("architectures") or []
+    for name in names:
+        if name in HF_ARCHITECTURES:
+            return HF_ARCHITECTURES[name]
+    raise MoeswapError(f"{folder}/config.json: architectures {names} not supported "
+                       f"(supported: {', '.join(HF_ARCHITECTURES)})")
+
+
+def _rope(hf: dict[str, Any], kind: str) -> dict[str, Any]:
+    """RoPE parameters for 'full_attention' or 'sliding_attention' (transformers 4 and 5 layouts)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and kind in params:
+        return params[kind]
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params
+    legacy = dict(hf.get("rope_scaling") or {})
+    legacy.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if kind == "sliding_attention" and "rope_local_base_freq" in hf:
+        legacy = {"rope_theta": hf["rope_local_base_freq"]}
+    return legacy
+
+
+def _rope_factor(params: dict[str, Any], folder: Path) -> float:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return 1.0
+    if rope_type == "linear":
+        return float(params["factor"])
+    raise MoeswapError(f"{folder}/config.json: RoPE scaling '{rope_type}' is not supported "
+                       "(supported: default, linear)")
+
+
+def config_from_hf(folder: str | Path) -> ModelConfig:
+    """ModelConfig from a HF folder's config.json, translated into the GGUF semantics."""
+    folder = Path(folder)
+    hf = read_hf_config(folder)
+    arch = hf_arch(hf, folder)
+    n_layer = hf["num_hidden_layers"]
+    full = _rope(hf, "full_attention")
+    window = hf.get("sliding_window") or 0
+    layer_types = hf.get("layer_types")
+    swa_layers: tuple[bool, ...] = ()
+    if arch != "gemma3":
+        window = window if hf.get("use_sliding_window") else 0
+    elif layer_types:
+        swa_layers = tuple(t == "sliding_attention" for t in layer_types)
+    n_expert = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    if arch == "qwen2moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        raise MoeswapError(f"{folder}/config.json: Qwen2-MoE with dense layers "
+                           "(mlp_only_layers / decoder_sparse_step) is not supported")
+    n_ff_exp = hf.get("moe_intermediate_size") or (hf["intermediate_size"] if n_expert else 0)
+    if arch == "granitemoe" and hf.get("head_dim"):
+        raise MoeswapError(f"{folder}/config.json: Granite with head_dim is not supported "
+                           "(llama.cpp ignores it too)")
+    attention_scale = 0.0
+    if arch == "granitemoe":
+        attention_scale = hf.get("attention_multiplier") or 0.0
+    elif arch == "gemma3":
+        attention_scale = hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5
+    return ModelConfig(
+        arch=arch,
+        n_vocab=hf["vocab_size"],
+        n_embd=hf["hidden_size"],
+        n_layer=n_layer,
+        n_head=hf["num_attention_heads"],
+        n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        n_ctx_train=hf.get("max_position_embeddings", 0),
+        rms_eps=hf.get("rms_norm_eps", 1e-6),
+        n_ff=0 if n_expert else hf["intermediate_size"],
+        head_dim=(hf.get("head_dim") or 0) if arch != "granitemoe" else 0,
+        rope_base=float(full.get("rope_theta", 10000.0)),
+        rope_scale=_rope_factor(full, folder),
+        rope_base_swa=float(_rope(hf, "sliding_attention").get("rope_theta", 10000.0)),
+        n_expert=n_expert,
+        n_expert_used=hf.get("num_experts_per_tok", 0) if n_expert else 0,
+        n_ff_exp=n_ff_exp,
+        n_ff_shexp=hf.get("shared_expert_intermediate_size") or hf.get("shared_intermediate_size") or 0,
+        expert_weights_norm=hf.get("norm_topk_prob") if arch in ("qwen2moe", "qwen3moe", "olmoe") else None,
+        sliding_window=window,
+        swa_layers=swa_layers,
+        attention_scale=attention_scale,
+        embedding_scale=(hf.get("embedding_multiplier") or 1.0) if arch == "granitemoe"
+        else (hf["hidden_size"] ** 0.5 if arch == "gemma3" else 1.0),
+        residual_scale=hf.get("residual_multiplier") or 1.0,
+        logit_scale=hf.get("logits_scaling") or 1.0,
+        final_logit_softcap=hf.get("final_logit_softcapping") or 0.0,
+        attn_logit_softcap=hf.get("attn_logit_softcapping") or 0.0,
+        tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )

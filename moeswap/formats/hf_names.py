@@ -1,0 +1,171 @@
+"""Hugging Face tensor names -> llama.cpp GGUF names, in one table.
+
+The engine sees one canonical naming and layout: llama.cpp's. The HF loader and ``moeswap
+convert`` both read HF tensors through this table, so a HF folder and its converted GGUF give
+the engine the same tensors. Besides renaming, a rule may say how the tensor changes on the way
+(the same changes llama.cpp's convert_hf_to_gguf.py makes):
+
+  expert  the HF tensor is one routed expert; the GGUF tensor stacks them [E, out, in]
+  stacked the HF tensor already stacks the experts [E, out, in]
+  gate    take the first half of the rows (dim -2): JetMoE-style fused gate+up (Granite)
+  up      take the second half of the rows
+  q / k   llama.cpp's Q/K row permutation, for architectures whose GGUF RoPE is not NeoX
+  norm    add 1 to an RMSNorm weight, for Gemma (its HF norm computes x * (1 + w))
+  squeeze drop the size-1 dimension (Qwen2-MoE's shared-expert gate [1, n_embd])
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from moeswap.errors import MoeswapError
+
+# Architectures whose converter permutes Q/K (llama.cpp ``LlamaModel.undo_permute``).
+PERMUTED_ARCHS = ("llama", "granitemoe")
+# Architectures whose converter adds 1 to every ``*norm.weight`` (``Gemma3Model.norm_shift``).
+SHIFTED_NORM_ARCHS = ("gemma3",)
+
+_L = r"model\.layers\.(\d+)\."
+
+
+@dataclass(frozen=True)
+class NameRule:
+    hf: str  # regex over the HF name; group 1 is the layer, group 2 (op "expert") the expert
+    gguf: str  # GGUF name, "{layer}" filled in
+    ops: str = ""  # "+"-joined ops from the module docstring
+    archs: tuple[str, ...] = ()  # only for these architectures; () = all
+
+
+# First matching rule wins: architecture-specific lines come before the general ones.
+RULES = (
+    NameRule(r"model\.embed_tokens\.weight", "token_embd.weight"),  # all
+    NameRule(r"lm_head\.weight", "output.weight"),  # all (absent when tied)
+    NameRule(r"model\.norm\.weight", "output_norm.weight", "norm"),  # all
+    NameRule(_L + r"input_layernorm\.weight", "blk.{layer}.attn_norm.weight", "norm"),  # all
+    NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.post_attention_norm.weight",
+             "norm", ("gemma3",)),  # Gemma 3: sandwich norm after attention
+    NameRule(_L + r"pre_feedforward_layernorm\.weight", "blk.{layer}.ffn_norm.weight",
+             "norm", ("gemma3",)),  # Gemma 3
+    NameRule(_L + r"post_feedforward_layernorm\.weight", "blk.{layer}.post_ffw_norm.weight",
+             "norm", ("gemma3",)),  # Gemma 3
+    NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.ffn_norm.weight"),  # others
+    NameRule(_L + r"self_attn\.q_proj\.weight", "blk.{layer}.attn_q.weight", "q"),  # all
+    NameRule(_L + r"self_attn\.k_proj\.weight", "blk.{layer}.attn_k.weight", "k"),  # all
+    NameRule(_L + r"self_attn\.v_proj\.weight", "blk.{layer}.attn_v.weight"),  # all
+    NameRule(_L + r"self_attn\.o_proj\.weight", "blk.{layer}.attn_output.weight"),  # all
+    NameRule(_L + r"self_attn\.q_proj\.bias", "blk.{layer}.attn_q.bias", "q"),  # Qwen2-MoE
+    NameRule(_L + r"self_attn\.k_proj\.bias", "blk.{layer}.attn_k.bias", "k"),  # Qwen2-MoE
+    NameRule(_L + r"self_attn\.v_proj\.bias", "blk.{layer}.attn_v.bias"),  # Qwen2-MoE
+    NameRule(_L + r"self_attn\.o_proj\.bias", "blk.{layer}.attn_output.bias"),  # Granite (bias=True)
+    NameRule(_L + r"self_attn\.q_norm\.weight", "blk.{layer}.attn_q_norm.weight", "norm"),  # Qwen3-MoE, OLMoE, Gemma 3
+    NameRule(_L + r"self_attn\.k_norm\.weight", "blk.{layer}.attn_k_norm.weight", "norm"),  # Qwen3-MoE, OLMoE, Gemma 3
+    NameRule(_L + r"mlp\.gate_proj\.weight", "blk.{layer}.ffn_gate.weight"),  # Gemma 3, Llama (dense)
+    NameRule(_L + r"mlp\.up_proj\.weight", "blk.{layer}.ffn_up.weight"),  # Gemma 3, Llama (dense)
+    NameRule(_L + r"mlp\.down_proj\.weight", "blk.{layer}.ffn_down.weight"),  # Gemma 3, Llama (dense)
+    NameRule(_L + r"block_sparse_moe\.gate\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Mixtral
+    NameRule(_L + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "blk.{layer}.ffn_gate_exps.weight", "expert"),  # Mixtral
+    NameRule(_L + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "blk.{layer}.ffn_up_exps.weight", "expert"),  # Mixtral
+    NameRule(_L + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "blk.{layer}.ffn_down_exps.weight", "expert"),  # Mixtral
+    NameRule(_L + r"mlp\.gate\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Qwen2/3-MoE, OLMoE
+    NameRule(_L + r"mlp\.experts\.(\d+)\.gate_proj\.weight", "blk.{layer}.ffn_gate_exps.weight", "expert"),  # Qwen2/3-MoE, OLMoE
+    NameRule(_L + r"mlp\.experts\.(\d+)\.up_proj\.weight", "blk.{layer}.ffn_up_exps.weight", "expert"),  # Qwen2/3-MoE, OLMoE
+    NameRule(_L + r"mlp\.experts\.(\d+)\.down_proj\.weight", "blk.{layer}.ffn_down_exps.weight", "expert"),  # Qwen2/3-MoE, OLMoE
+    NameRule(_L + r"mlp\.shared_expert\.gate_proj\.weight", "blk.{layer}.ffn_gate_shexp.weight"),  # Qwen2-MoE
+    NameRule(_L + r"mlp\.shared_expert\.up_proj\.weight", "blk.{layer}.ffn_up_shexp.weight"),  # Qwen2-MoE
+    NameRule(_L + r"mlp\.shared_expert\.down_proj\.weight", "blk.{layer}.ffn_down_shexp.weight"),  # Qwen2-MoE
+    NameRule(_L + r"mlp\.shared_expert_gate\.weight", "blk.{layer}.ffn_gate_inp_shexp.weight", "squeeze"),  # Qwen2-MoE
+    NameRule(_L + r"block_sparse_moe\.router\.layer\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Granite-MoE
+    NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_gate_exps.weight", "stacked+gate"),  # Granite-MoE
+    NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_up_exps.weight", "stacked+up"),  # Granite-MoE
+    NameRule(_L + r"block_sparse_moe\.output_linear\.weight", "blk.{layer}.ffn_down_exps.weight", "stacked"),  # Granite-MoE
+    NameRule(_L + r"shared_mlp\.input_linear\.weight", "blk.{layer}.ffn_gate_shexp.weight", "gate"),  # Granite-MoE-Shared
+    NameRule(_L + r"shared_mlp\.input_linear\.weight", "blk.{layer}.ffn_up_shexp.weight", "up"),  # Granite-MoE-Shared
+    NameRule(_L + r"shared_mlp\.output_linear\.weight", "blk.{layer}.ffn_down_shexp.weight"),  # Granite-MoE-Shared
+)
+
+_COMPILED = tuple((re.compile(rule.hf), rule) for rule in RULES)
+
+# HF tensors llama.cpp's converter drops (recomputed at load time).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+# Expert tensors: GGUF name suffix -> the kind the engine asks an expert for.
+EXPERT_KINDS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                "ffn_down_exps.weight": "down"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where (part of) one GGUF tensor comes from."""
+
+    hf_name: str
+    ops: frozenset[str]
+    expert: int | None = None  # op "expert": this HF tensor is expert `expert` of the stack
+
+
+def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
+    """GGUF name -> its parts (per-expert parts sorted by expert). Unknown names are an error."""
+    result: dict[str, list[Part]] = {}
+    unknown = []
+    for hf_name in hf_names:
+        if _IGNORED.match(hf_name):
+            continue
+        matched = False
+        for pattern, rule in _COMPILED:
+            if rule.archs and arch not in rule.archs:
+                continue
+            m = pattern.fullmatch(hf_name)
+            if m is None:
+                continue
+            ops = frozenset(op for op in rule.ops.split("+") if op)
+            gguf_name = rule.gguf.format(layer=m.group(1)) if m.groups() else rule.gguf
+            expert = int(m.group(2)) if "expert" in ops else None
+            result.setdefault(gguf_name, []).append(Part(hf_name, ops, expert))
+            matched = True
+            if not ({"gate", "up"} & ops):
+                break  # a fused gate+up tensor feeds two GGUF tensors; others feed one
+        if not matched:
+            unknown.append(hf_name)
+    if unknown:
+        raise MoeswapError(f"{len(unknown)} tensor(s) have no GGUF name for architecture "
+                           f"'{arch}', e.g. '{unknown[0]}'; this model layout is not supported")
+    for parts in result.values():
+        parts.sort(key=lambda p: -1 if p.expert is None else p.expert)
+    return result
+
+
+def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's Q/K permutation: per head, interleave the two rotary halves.
+
+    HF rotates (x[i], x[i + d/2]); GGUF llama-family RoPE rotates adjacent pairs.
+    Legend: H heads, P=2 halves, R rows per half, C columns (absent for a bias).
+    """
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])  # [H, P, R, C]
+            .swapaxes(1, 2)  # [H, R, P, C]
+            .reshape(w.shape))
+
+
+def transform(w: torch.Tensor, ops: frozenset[str], arch: str, n_head: int,
+              n_head_kv: int) -> torch.Tensor:
+    """Apply a part's element-level ops (not the expert/half selection) in llama.cpp's order."""
+    if "q" in ops and arch in PERMUTED_ARCHS:
+        w = llama_permute(w, n_head)
+    if "k" in ops and arch in PERMUTED_ARCHS:
+        w = llama_permute(w, n_head_kv)
+    if "norm" in ops and arch in SHIFTED_NORM_ARCHS:
+        w = w + 1.0
+    if "squeeze" in ops:
+        w = w.reshape(-1)
+    return w
+
+
+def half_rows(w: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:
+    """The gate (first) or up (second) half of a fused gate+up tensor, along dim -2."""
+    if "gate" in ops:
+        return w[..., : w.shape[-2] // 2, :]
+    if "up" in ops:
+        return w[..., w.shape[-2] // 2:, :]
+    return w

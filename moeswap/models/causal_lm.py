@@ -1,0 +1,126 @@
+"""The decoder skeleton every family shares, and the helpers that fetch a layer's tensors.
+
+``CausalLM.forward`` takes a batch of sequences at different positions, each with its own
+KV cache, and returns each sequence's float32 logits; decoding token by token gives the same
+logits as one full forward. Family modules build the layers; this module holds no family logic.
+
+Legend: N tokens of the batch, T tokens of one sequence, D model width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from moeswap.formats.config import ModelConfig
+from moeswap.models.blocks import (Attention, AttentionSpec, AttentionWeights, Batch, DenseFFN,
+                                   KVCache, Rope, rms_norm)
+from moeswap.models.moe import Router
+
+Layer = Callable[[torch.Tensor, Batch], torch.Tensor]
+
+
+@dataclass
+class PreNormLayer:
+    """x + attn(norm x), then + ffn(norm x); branches scaled by the residual multiplier (Granite)."""
+
+    attn_norm: torch.Tensor
+    attention: Attention
+    ffn_norm: torch.Tensor
+    ffn: Callable[[torch.Tensor], torch.Tensor]
+    eps: float
+    residual_scale: float = 1.0
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        h = x + self.attention(rms_norm(x, self.attn_norm, self.eps), batch) * self.residual_scale
+        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps)) * self.residual_scale
+
+
+class CausalLM:
+    def __init__(self, config: ModelConfig, source: Any, embedding: torch.Tensor,
+                 layers: list[Layer], output_norm: torch.Tensor, output: torch.Tensor):
+        self.config = config
+        self.source = source  # the GGUFFile or HF folder the weights come from
+        self.embedding = embedding  # [V, D]
+        self.layers = layers
+        self.output_norm = output_norm  # [D]
+        self.output = output  # [V, D]; the embedding itself when tied
+
+    def new_cache(self) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layer, c.n_head_kv, c.head_dim)
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> list[torch.Tensor]:
+        """Per sequence: new token ids [T_i] -> float32 logits [T_i, V]; advances each cache."""
+        if len(tokens) != len(caches):
+            raise ValueError(f"{len(tokens)} sequences but {len(caches)} caches")
+        c = self.config
+        lengths = [int(t.numel()) for t in tokens]
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        spans = [(end - n, end) for end, n in zip(ends, lengths)]
+        positions = torch.cat([torch.arange(cache.length, cache.length + n)
+                               for cache, n in zip(caches, lengths)])  # [N]
+        x = F.embedding(torch.cat([t.reshape(-1) for t in tokens]), self.embedding)  # [N, D]
+        if c.embedding_scale != 1.0:
+            x = x * c.embedding_scale
+        batch = Batch(positions, spans, caches)
+        for layer in self.layers:
+            x = layer(x, batch)
+        logits = F.linear(rms_norm(x, self.output_norm, c.rms_eps), self.output)  # [N, V]
+        if c.logit_scale != 1.0:
+            logits = logits / c.logit_scale
+        if c.final_logit_softcap:
+            logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
+        for cache, n in zip(caches, lengths):
+            cache.advance(n)
+        return [logits[start:end].float() for start, end in spans]
+
+
+def attention_weights(weights: Any, layer: int) -> AttentionWeights:
+    """Q/K/V/O of a layer, with whichever biases and q/k norms the file has."""
+    def optional(name: str) -> torch.Tensor | None:
+        full = f"blk.{layer}.{name}"
+        return weights.tensor(full) if weights.has(full) else None
+
+    p = f"blk.{layer}."
+    return AttentionWeights(
+        wq=weights.tensor(p + "attn_q.weight"), wk=weights.tensor(p + "attn_k.weight"),
+        wv=weights.tensor(p + "attn_v.weight"), wo=weights.tensor(p + "attn_output.weight"),
+        bq=optional("attn_q.bias"), bk=optional("attn_k.bias"), bv=optional("attn_v.bias"),
+        bo=optional("attn_output.bias"),
+        q_norm=optional("attn_q_norm.weight"), k_norm=optional("attn_k_norm.weight"))
+
+
+def attention_spec(config: ModelConfig, layer: int) -> AttentionSpec:
+    c = config
+    return AttentionSpec(c.n_head, c.n_head_kv, c.head_dim, c.attention_scale, c.rms_eps,
+                         window=c.sliding_window if c.swa_layers[layer] else 0,
+                         softcap=c.attn_logit_softcap)
+
+
+def rope(config: ModelConfig, weights: Any) -> Rope:
+    """The model's RoPE; ``rope_freqs`` (Llama 3 scaling) divides the frequencies when present."""
+    factors = weights.tensor("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
+    return Rope(config.n_rot, config.rope_base, config.rope_scale, config.rope_neox, factors)
+
+
+def router(config: ModelConfig, weights: Any, layer: int) -> Router:
+    return Router(weights.tensor(f"blk.{layer}.ffn_gate_inp.weight"), config.n_expert_used,
+                  bool(config.expert_weights_norm), config.expert_weights_scale)
+
+
+def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) -> DenseFFN:
+    """ffn_{gate,up,down}{suffix}: the dense FFN ("") or the shared expert ("_shexp")."""
+    p = f"blk.{layer}.ffn_"
+    return DenseFFN(weights.tensor(f"{p}gate{suffix}.weight"), weights.tensor(f"{p}up{suffix}.weight"),
+                    weights.tensor(f"{p}down{suffix}.weight"), gelu)
+
+
+def assemble(config: ModelConfig, source: Any, weights: Any, layers: list[Layer]) -> CausalLM:
+    embedding = weights.tensor("token_embd.weight")
+    output = weights.tensor("output.weight") if weights.has("output.weight") else embedding
+    return CausalLM(config, source, embedding, layers, weights.tensor("output_norm.weight"), output)

@@ -1,0 +1,24 @@
+"""GGUF architecture name -> the family module that builds it."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from moeswap.errors import MoeswapError
+from moeswap.models import gemma3, granitemoe, llama, olmoe, qwen2moe, qwen3moe
+
+FAMILIES: dict[str, ModuleType] = {
+    "llama": llama,
+    "qwen2moe": qwen2moe,
+    "qwen3moe": qwen3moe,
+    "olmoe": olmoe,
+    "granitemoe": granitemoe,
+    "gemma3": gemma3,
+}
+
+
+def family(arch: str) -> ModuleType:
+    if arch not in FAMILIES:
+        raise MoeswapError(f"architecture '{arch}' is not supported "
+                           f"(supported: {', '.join(FAMILIES)})")
+    return FAMILIES[arch]

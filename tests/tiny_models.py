@@ -1,0 +1,82 @@
+"""Tiny random transformers models of every family, built in-process (no download).
+
+Shapes are chosen to exercise what each family does differently: GQA everywhere (except
+OLMoE, whose llama.cpp loader wants a k-norm as wide as n_embd), Qwen2-MoE's gated shared
+expert, Qwen3-MoE's explicit head size and per-head q/k norms, Granite's multipliers and
+shared expert, Gemma 3's five local + one global layers with a 4-token window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256,
+              tie_word_embeddings=False)
+
+
+def _configs():
+    import transformers as tf
+
+    moe = dict(num_experts_per_tok=2)
+    return {
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
+                    dict(COMMON, intermediate_size=48, num_local_experts=4, rope_theta=10000.0, **moe)),
+        "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                     dict(COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                          shared_expert_intermediate_size=48, **moe)),
+        "qwen3moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM,
+                     dict(COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                          head_dim=32, norm_topk_prob=True, **moe)),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM,
+                  dict(COMMON, num_key_value_heads=4, intermediate_size=32, num_experts=4, **moe)),
+        "granitemoe": (tf.GraniteMoeConfig, tf.GraniteMoeForCausalLM,
+                       dict(COMMON, intermediate_size=32, num_local_experts=4, embedding_multiplier=3.0,
+                            attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.0, **moe)),
+        "granitemoeshared": (tf.GraniteMoeSharedConfig, tf.GraniteMoeSharedForCausalLM,
+                             dict(COMMON, intermediate_size=32, num_local_experts=4,
+                                  shared_intermediate_size=48, embedding_multiplier=3.0,
+                                  attention_multiplier=0.2, residual_multiplier=0.5,
+                                  logits_scaling=2.0, **moe)),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM,
+                   dict(COMMON, num_hidden_layers=6, intermediate_size=96, head_dim=16,
+                        query_pre_attn_scalar=16, sliding_window=4, tie_word_embeddings=True,
+                        final_logit_softcapping=30.0,
+                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                            "rope_theta": 1000000.0},
+                                         "sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 10000.0}})),
+    }
+
+
+FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3")
+
+
+def build(family: str, seed: int = 0):
+    """A float32 transformers model in eval mode, its weights drawn from `seed`."""
+    config_cls, model_cls, kwargs = _configs()[family]
+    torch.manual_seed(seed)
+    config = config_cls(**kwargs)
+    model = model_cls(config).eval()
+    if family == "gemma3":
+        # Random norms around 0 would make Gemma's (1 + w) near 1 everywhere; spread them.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.3)
+    return model
+
+
+def save(family: str, folder: Path, seed: int = 0):
+    """Save the tiny model as a HF folder; returns the transformers model."""
+    model = build(family, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
