@@ -10,6 +10,7 @@ the ``gguf`` package.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -113,7 +114,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python ints: a corrupt u64 dim must not overflow
 
     @property
     def n_bytes(self) -> int:

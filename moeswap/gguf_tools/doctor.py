@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from itertools import islice
 from typing import Callable, Iterator
 
 from gguf import GGUFValueType
@@ -219,13 +220,15 @@ def check_split_expert_types(gf, view):
 def check_layer_sequence(gf, view):
     present = {layer.index for layer in view.layers}
     n_blocks = view.metadata.block_count
-    expected = range(n_blocks if n_blocks is not None else max(present, default=-1) + 1)
-    missing = [i for i in expected if i not in present]
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
-        yield _finding("missing-layer", f"no tensors for layer(s) {shown} "
-                                        f"(block_count = {len(expected)})")
-    extra = sorted(i for i in present if i not in expected)
+    expected = n_blocks if n_blocks is not None else max(present, default=-1) + 1
+    n_missing = expected - sum(1 for i in present if i < expected)
+    if n_missing:
+        # Lazily: a corrupt block_count can be 2**32 - 1.
+        first = list(islice((i for i in range(expected) if i not in present), 8))
+        shown = ", ".join(map(str, first)) + (", ..." if n_missing > len(first) else "")
+        yield _finding("missing-layer", f"no tensors for {n_missing} layer(s): {shown} "
+                                        f"(block_count = {expected})")
+    extra = sorted(i for i in present if i >= expected)
     if extra:
         yield _finding("missing-layer", f"tensors for layer {extra[0]} beyond "
                                         f"{arch_key(gf, 'block_count')} = {n_blocks}")
