@@ -50,7 +50,7 @@ def run_doctor(args) -> int:
         finding = report.findings[0]
         print(f"moeswap: error: {finding.message} [{finding.rule}]", file=sys.stderr)
     else:
-        doctor.render(report, Console())
+        doctor.render(report, Console(soft_wrap=True))
     return report.exit_code
 
 
