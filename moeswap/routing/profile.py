@@ -21,7 +21,7 @@ from moeswap.routing.traces import RoutingTrace
 
 PROFILE_FORMAT = "moeswap.profile.v1"
 AGE_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 1 << 30)  # tokens; the last bucket is open
-REUSE_WINDOW = 32  # tokens
+REUSE_WINDOW = 16  # tokens
 REUSE_HORIZON = 64  # tokens; later (or never) next uses count as this
 MIN_SAMPLES = 5  # a table cell with fewer samples falls back to its age bucket's mean
 
