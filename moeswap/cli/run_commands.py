@@ -1,0 +1,64 @@
+"""`moeswap run`: load a model, stream a completion, report speed and memory."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run", help="generate text from a prompt, streamed")
+    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
+    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (128)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="1 turns it off (0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="0 turns it off (0.05)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 turns it off (1.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--verbose", action="store_true",
+                   help="log each tensor as it is mapped: name, shape, type, where it lives")
+    p.set_defaults(handler=run_generate)
+
+
+def run_generate(args) -> int:
+    import moeswap
+    from moeswap.generate import GenerationStats
+    from moeswap.runtime import peak_rss_bytes
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                  TextColumn("{task.completed} tensors mapped"), TimeElapsedColumn(),
+                  console=err, transient=True) as progress:
+        task = progress.add_task(f"loading {args.model}", total=None)
+
+        def on_tensor(line: str) -> None:
+            progress.advance(task)
+            if args.verbose:
+                progress.console.print(line, markup=False)
+
+        runtime = moeswap.load(args.model, threads=args.threads, verbose_log=on_tensor)
+        loaded = progress.tasks[0]
+        err.print(f"loaded {args.model}: {int(loaded.completed)} tensors in "
+                  f"{loaded.elapsed:.1f} s", markup=False)
+
+    stats = GenerationStats()
+    text = runtime.tokenizer.stream()
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    for token in runtime.generate(args.prompt, args.n_predict, stats=stats,
+                                  temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                                  min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                                  seed=args.seed):
+        sys.stdout.write(text.push(token))
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    err.print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tokens_per_second:.2f} tokens/s"
+              f" | decode: {stats.generated_tokens} tokens, "
+              f"{stats.decode_tokens_per_second:.2f} tokens/s"
+              f" | peak RSS: {peak_rss_bytes() / 2**20:.0f} MiB", markup=False)
+    return 0

@@ -1,0 +1,101 @@
+"""What ``moeswap.load`` returns: a model with its tokenizer, ready to score and generate."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from moeswap.chat_template import ChatTemplate
+from moeswap.errors import MoeswapError
+from moeswap.generate import GenerationStats, generate
+from moeswap.sampling import Sampler, SamplingParams
+from moeswap.tokenizer import Tokenizer, load_tokenizer
+
+
+class Runtime:
+    def __init__(self, model: Any, tokenizer: Tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.chat_template = (
+            ChatTemplate(tokenizer.chat_template,
+                         bos_token=tokenizer.token_text(tokenizer.bos_id),
+                         eos_token=tokenizer.token_text(tokenizer.eos_id))
+            if tokenizer.chat_template else None)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text is tokenized with BOS as the model asks and special-token text parsed
+        (llama.cpp's behaviour for prompts); ids pass through unchanged."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return [int(i) for i in prompt]
+
+    def forward_logits(self, ids: str | Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, V] of every position of ``ids``, computed with a fresh cache."""
+        tokens = ids.reshape(-1).long() if isinstance(ids, torch.Tensor) else \
+            torch.tensor(self.encode(ids), dtype=torch.long)
+        if tokens.numel() == 0:
+            raise MoeswapError("forward_logits needs at least one token")
+        return self.model.forward([tokens], [self.model.new_cache()])[0]
+
+    def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *,
+                 stats: GenerationStats | None = None, stop_ids: frozenset[int] | None = None,
+                 **sampling: Any) -> Iterator[int]:
+        """Yield new token ids. ``sampling``: SamplingParams fields (temperature, top_k,
+        top_p, min_p, repeat_penalty, repeat_last_n, seed); temperature=0 is greedy.
+        Generation ends at the tokenizer's stop ids unless ``stop_ids`` replaces them."""
+        try:
+            params = SamplingParams(**sampling)
+        except TypeError as e:
+            raise MoeswapError(f"unknown sampling option: {e}; known: temperature, top_k, "
+                               "top_p, min_p, repeat_penalty, repeat_last_n, seed") from None
+        stops = self.tokenizer.stop_ids if stop_ids is None else frozenset(stop_ids)
+        return generate(self.model, self.encode(prompt), max_tokens=max_tokens,
+                        sampler=Sampler(params), stop_ids=stops, stats=stats)
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
+        """The token ids of ``messages`` rendered by the model's chat template."""
+        if self.chat_template is None:
+            raise MoeswapError("this model has no chat template (tokenizer.chat_template); "
+                               "give a plain prompt instead")
+        text = self.chat_template.render(messages, **variables)
+        bos = self.tokenizer.token_text(self.tokenizer.bos_id)
+        # The template writes BOS itself when it wants one; do not add a second.
+        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+
+
+def load(path: str | os.PathLike, *, threads: int | None = None,
+         verbose_log: Callable[[str], None] | None = None,
+         tokenizer_cache_dir: str | os.PathLike | None = None) -> Runtime:
+    """Open a .gguf file or a Hugging Face folder.
+
+    threads: torch's intra-op threads (a process-wide setting); None leaves torch's default.
+    verbose_log: called with one line per tensor as it is mapped (name, shape, type, where).
+    tokenizer_cache_dir: where converted GGUF tokenizers are kept (default ~/.cache/moeswap).
+    """
+    from moeswap.models import load_model
+
+    path = Path(path)
+    if not path.exists():
+        raise MoeswapError(f"{path}: no such file or folder")
+    if threads is not None:
+        if threads < 1:
+            raise MoeswapError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
+    model = load_model(path, verbose_log=verbose_log)
+    return Runtime(model, tokenizer)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
