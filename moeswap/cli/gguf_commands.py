@@ -55,17 +55,22 @@ def run_doctor(args) -> int:
 
 
 def run_fix(args) -> int:
-    console = Console(soft_wrap=True)
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("writing", start=False)
+    console = Console(soft_wrap=True, markup=False, highlight=False)
+    bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("writing", start=False)
 
-        def on_start(total: int) -> None:
-            bar.update(task, total=total)
-            bar.start_task(task)
+    def on_start(total: int) -> None:  # shown only once fix actually writes
+        bar.update(task, total=total)
+        bar.start()
+        bar.start_task(task)
 
+    try:
         result = fix.fix_file(args.file, args.output, args.assignments, dry_run=args.dry_run,
                               on_progress=lambda n: bar.advance(task, n), on_start=on_start)
+    finally:
+        if bar.live.is_started:
+            bar.stop()
     plan = result.plan
     for action in plan.actions:
         console.print(f"{'would ' if args.dry_run else ''}{action}")

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 from gguf import GGUFValueType
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from moeswap.errors import GGUFFormatError
@@ -367,7 +368,12 @@ RULES_BY_ID = {rule.id: rule for rule in RULES}
 
 def check(gf: GGUFFile) -> list[Finding]:
     view = MoEView(gf)
-    return [finding for rule in RULES if rule.check for finding in rule.check(gf, view)]
+    findings = [finding for rule in RULES if rule.check for finding in rule.check(gf, view)]
+    if gf.architecture is None:
+        return findings
+    # Fix hints name the file's own keys.
+    return [Finding(f.rule, f.severity, f.message, f.fix.replace("{arch}", gf.architecture))
+            for f in findings]
 
 
 def diagnose(path: str | os.PathLike) -> Report:
@@ -394,5 +400,5 @@ def render(report: Report, console: Console) -> None:
     table.add_column("fix", overflow="fold", ratio=2)
     for f in report.findings:
         style = "red" if f.severity == ERROR else "yellow"
-        table.add_row(f"[{style}]{f.severity}[/]", f.rule, f.message, f.fix)
+        table.add_row(f"[{style}]{f.severity}[/]", f.rule, escape(f.message), escape(f.fix))
     console.print(table)

@@ -257,9 +257,8 @@ def _pad(n: int, alignment: int) -> int:
 def plan(gf: GGUFFile, assignments: list[str] = ()) -> FixPlan:
     """What fix would write, checked by doctor before any byte is written."""
     source_findings = check(gf)
-    blockers = [f for f in source_findings if f.rule in _SOURCE_BLOCKERS]
-    if blockers:
-        return FixPlan(gf, dict(gf.kv), [], [], blockers)
+    if any(f.rule in _SOURCE_BLOCKERS for f in source_findings):
+        return FixPlan(gf, dict(gf.kv), [], [], source_findings)
     view = MoEView(gf)
     actions: list[str] = []
     source_rules = {f.rule for f in source_findings}
@@ -301,15 +300,16 @@ def _write(p: FixPlan, out, on_progress: Callable[[int], None] | None) -> None:
     alignment = p.source.alignment
     out.write(header)
     out.write(bytes(_pad(len(header), alignment) - len(header)))
-    view = memoryview(p.source.buffer)
-    for t in p.tensors:
-        for src in t.sources:
-            for start in range(src.data_start, src.data_end, CHUNK):
-                chunk = view[start:min(start + CHUNK, src.data_end)]
-                out.write(chunk)
-                if on_progress:
-                    on_progress(len(chunk))
-        out.write(bytes(_pad(t.n_bytes, alignment) - t.n_bytes))
+    # Views are released even on error, so the source mmap can close.
+    with memoryview(p.source.buffer) as view:
+        for t in p.tensors:
+            for src in t.sources:
+                for start in range(src.data_start, src.data_end, CHUNK):
+                    with view[start:min(start + CHUNK, src.data_end)] as chunk:
+                        out.write(chunk)
+                        if on_progress:
+                            on_progress(len(chunk))
+            out.write(bytes(_pad(t.n_bytes, alignment) - t.n_bytes))
 
 
 def _check_paths(src: Path, out: Path) -> None:
@@ -355,10 +355,13 @@ def _write_atomically(p: FixPlan, src: Path, out: Path, on_progress) -> Report:
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            _write(p, f, on_progress)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _write(p, f, on_progress)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); nothing written") from None
         shutil.copymode(src, tmp)
         report = diagnose(tmp)
         errors = [f for f in report.findings if f.severity == ERROR]
