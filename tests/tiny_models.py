@@ -24,7 +24,7 @@ def _configs():
     moe = dict(num_experts_per_tok=2)
     return {
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
-                    dict(COMMON, intermediate_size=48, num_local_experts=4, rope_theta=10000.0, **moe)),
+                    dict(COMMON, intermediate_size=64, num_local_experts=4, rope_theta=10000.0, **moe)),
         "qwen2moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                      dict(COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
                           shared_expert_intermediate_size=48, **moe)),
@@ -70,10 +70,30 @@ def build(family: str, seed: int = 0):
     return model
 
 
+_TEXT = ["The quick brown fox jumps over the lazy dog.",
+         "Mixture of experts models route each token to a few experts.",
+         "def add(a, b): return a + b", "Hello world, hello moeswap!",
+         "Numbers 0 1 2 3 4 5 6 7 8 9 and more text here."] * 20
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A SentencePiece BPE tokenizer.model of exactly VOCAB pieces, trained in-process."""
+    import io
+
+    import sentencepiece as spm
+
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_TEXT), model_writer=proto,
+                                   vocab_size=VOCAB, model_type="bpe", character_coverage=1.0,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    (Path(folder) / "tokenizer.model").write_bytes(proto.getvalue())
+
+
 def save(family: str, folder: Path, seed: int = 0):
-    """Save the tiny model as a HF folder; returns the transformers model."""
+    """Save the tiny model and a tokenizer as a HF folder; returns the transformers model."""
     model = build(family, seed)
     model.save_pretrained(folder)
+    save_tokenizer(folder)
     return model
 
 

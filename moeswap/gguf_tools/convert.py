@@ -1,0 +1,147 @@
+"""HF folder -> GGUF, with llama.cpp's tensor names, shapes, types, metadata and layout.
+
+Tensors come through ``SafetensorsWeights`` (the same name table and transforms the engine's
+HF loader uses: Q/K permutation, per-expert stacking, Gemma's norm shift), so a converted
+file and its HF folder give the engine identical weights. Type rules follow
+convert_hf_to_gguf.py: 1-D tensors, ``*_norm.weight`` and the routers stay F32; everything else
+takes the requested type, falling back to F16 when a row is not a whole number of blocks.
+Tensors are planned from the shard headers, then computed and written one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import numpy as np
+
+from moeswap.errors import MoeswapError
+from moeswap.formats.config import ModelConfig, read_hf_config
+from moeswap.formats.safetensors_weights import SafetensorsWeights
+from moeswap.gguf_tools.vocab_to_gguf import write_vocab
+
+OUT_TYPES = {
+    "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+}
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "_norm.weight")
+
+
+def tensor_type(name: str, shape: list[int], out_type: str) -> gguf.GGMLQuantizationType:
+    """The stored type llama.cpp's converter picks for a tensor of this name and torch shape."""
+    if len(shape) <= 1 or name.endswith(_ALWAYS_F32) or not name.endswith(".weight"):
+        return gguf.GGMLQuantizationType.F32
+    qtype = OUT_TYPES[out_type][0]
+    block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+    if shape[-1] % block_size:
+        return gguf.GGMLQuantizationType.F16
+    return qtype
+
+
+def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
+            on_tensor: Callable[[str, int, int], None] | None = None) -> Path:
+    """Write `folder`'s model to `out_path`. `on_tensor(name, index, total)` reports progress."""
+    folder, out_path = Path(folder), Path(out_path)
+    if out_type not in OUT_TYPES:
+        raise MoeswapError(f"--type {out_type}: not supported (supported: {', '.join(OUT_TYPES)})")
+    weights = SafetensorsWeights(folder)
+    config = weights.config
+    writer = gguf.GGUFWriter(out_path, config.arch)
+    _write_metadata(writer, config, read_hf_config(folder), folder, out_type)
+    n_tokens = write_vocab(writer, folder, config)
+
+    plan = []
+    for name in weights.names():
+        shape = weights.tensor_shape(name)
+        if name == "token_embd.weight" and config.arch == "gemma3":
+            shape[0] = min(shape[0], n_tokens)  # the reference drops rows past the tokenizer
+        qtype = tensor_type(name, shape, out_type)
+        plan.append((name, shape, qtype))
+        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        # Element shape with a raw type: the writer stores it as is (torch order, reversed on disk).
+        writer.add_tensor_info(name, tuple(shape), np.dtype(np.float32),
+                               int(np.prod(shape)) // block_size * type_size, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for index, (name, shape, qtype) in enumerate(plan):
+        data = weights.tensor(name).numpy()[tuple(slice(0, n) for n in shape)]
+        writer.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(data), qtype))
+        if on_tensor is not None:
+            on_tensor(name, index + 1, len(plan))
+    writer.close()
+    return out_path
+
+
+def _quantized(qtype: gguf.GGMLQuantizationType) -> bool:
+    return qtype not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+
+
+def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: Path,
+                    out_type: str) -> None:
+    """The keys convert_hf_to_gguf.py writes for these architectures (TextModel + family)."""
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_name(folder.name)
+    writer.add_block_count(c.n_layer)
+    writer.add_context_length(c.n_ctx_train)
+    writer.add_embedding_length(c.n_embd)
+    if "intermediate_size" in hf:
+        writer.add_feed_forward_length(hf["intermediate_size"])
+    writer.add_head_count(c.n_head)
+    writer.add_head_count_kv(c.n_head_kv)
+    if c.rope_scale != 1.0:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_scale)
+    writer.add_rope_freq_base(c.rope_base)
+    if c.arch == "gemma3":
+        writer.add_rope_freq_base_swa(c.rope_base_swa)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    if c.is_moe:
+        writer.add_expert_count(c.n_expert)
+        writer.add_expert_used_count(c.n_expert_used)
+    if hf.get("head_dim") and c.arch != "granitemoe":
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
+    writer.add_file_type(OUT_TYPES[out_type][1])
+    if _quantized(OUT_TYPES[out_type][0]):
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if c.arch in ("llama", "granitemoe"):
+        writer.add_vocab_size(c.n_vocab)
+        writer.add_rope_dimension_count(c.n_rot)
+    if c.arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(c.n_ff_exp)
+    if c.n_ff_shexp:
+        writer.add_expert_shared_feed_forward_length(c.n_ff_shexp)
+    if c.arch in ("qwen2moe", "qwen3moe", "olmoe") and c.expert_weights_norm != _LLAMA_CPP_NORM[c.arch]:
+        # llama.cpp hard-codes renormalisation per architecture and ignores this key; say so.
+        raise MoeswapError(f"{folder}/config.json: norm_topk_prob={c.expert_weights_norm} but "
+                           f"llama.cpp always uses {_LLAMA_CPP_NORM[c.arch]} for {c.arch}; "
+                           "the GGUF would run differently in llama.cpp")
+    if c.arch == "granitemoe":
+        for key, add in (("attention_multiplier", writer.add_attention_scale),
+                         ("embedding_multiplier", writer.add_embedding_scale),
+                         ("residual_multiplier", writer.add_residual_scale),
+                         ("logits_scaling", writer.add_logit_scale)):
+            if hf.get(key):
+                add(hf[key])
+    if c.arch == "gemma3":
+        if abs(c.attention_scale * math.sqrt(c.head_dim) - 1.0) > 1e-6 and c.n_layer != 62:
+            raise MoeswapError(f"{folder}/config.json: query_pre_attn_scalar differs from head_dim; "
+                               "llama.cpp scales Gemma 3 queries by 1/sqrt(head_dim)")
+        if c.final_logit_softcap:
+            writer.add_final_logit_softcapping(c.final_logit_softcap)
+        if c.sliding_window:
+            writer.add_sliding_window(c.sliding_window)
+        if c.swa_layers != _gemma3_default_pattern(c.n_layer):
+            writer.add_sliding_window_pattern(list(c.swa_layers))
+
+
+_LLAMA_CPP_NORM = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
+
+
+def _gemma3_default_pattern(n_layer: int) -> tuple[bool, ...]:
+    return tuple(i % 6 < 5 for i in range(n_layer))
