@@ -1,0 +1,103 @@
+"""Routing statistics: hand-worked values, and the Mixtral paper's reuse pattern on the real trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeswap.routing import stats
+from moeswap.routing.importers import import_trace
+from moeswap.routing.traces import RoutingTrace
+
+SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
+needs_shared = pytest.mark.skipif(not SHARED_TRACES.is_dir(),
+                                  reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
+
+
+def hand_trace() -> RoutingTrace:
+    # 2 layers, 4 experts, top-2; prompt 0 = tokens 0-2, prompt 1 = tokens 3-4; token 2 unrecorded at layer 1
+    ids = [
+        [[0, 1], [2, 3]],
+        [[0, 2], [3, 2]],
+        [[1, 0], [-1, -1]],
+        [[1, 3], [0, 1]],
+        [[2, 3], [0, 2]],
+    ]
+    return RoutingTrace(model="hand", arch="x", layers=[0, 1], n_experts=4, k=2, prompt_offsets=[0, 3, 5],
+                        expert_ids=ids, weights=np.full((5, 2, 2), 0.5))
+
+
+def test_popularity_gini_entropy_top_share():
+    t = hand_trace()
+    counts = stats.popularity(t)
+    assert counts.tolist() == [[3, 3, 2, 2], [2, 1, 3, 2]]
+    assert stats.gini(np.array([5, 5, 5, 5])) == pytest.approx(0.0)
+    assert stats.gini(np.array([0, 0, 0, 8])) == pytest.approx(0.75)
+    assert stats.gini(np.array([1, 3])) == pytest.approx(0.25)  # mean abs diff 1 / (2 * mean 2)
+    assert stats.entropy_bits(np.array([1, 1, 1, 1])) == pytest.approx(2.0)
+    assert stats.entropy_bits(np.array([2, 0, 0, 2])) == pytest.approx(1.0)
+    assert stats.top_share(counts).tolist() == pytest.approx([3 / 10, 3 / 8])  # ceil(0.4) = 1 expert
+
+
+def test_consecutive_reuse_respects_prompts_and_gaps():
+    first, any_ = stats.consecutive_reuse(hand_trace())
+    # layer 0 pairs (0,1), (1,2), (3,4): first same 1 of 3 (0,0); overlap: {0,1}&{0,2} yes, {0,2}&{1,0} yes, {1,3}&{2,3} yes
+    assert first[0] == pytest.approx(1 / 3) and any_[0] == pytest.approx(1.0)
+    # layer 1 pairs (0,1), (3,4): first 0/2; overlap {2,3}&{3,2} yes, {0,1}&{0,2} yes; first (3,4): 0 == 0 -> 1/2
+    assert first[1] == pytest.approx(1 / 2) and any_[1] == pytest.approx(1.0)
+    assert stats.random_reuse(8, 2) == pytest.approx((0.125, 1 - 6 / 8 * 5 / 7))
+
+
+def test_reuse_distances_count_tokens_within_a_layer():
+    # layer 0: expert 0 at tokens 0,1,2 -> 1,1; expert 1 at 0,2,3 -> 2,1; expert 2 at 1,4 -> 3; expert 3 at 3,4 -> 1
+    # layer 1 (recorded tokens 0,1,3,4 -> positions 0..3): 2:{0,1,3} -> 1,2; 3:{0,1} -> 1; 0:{2,3} -> 1
+    assert stats.reuse_distances(hand_trace()).tolist() == [0, 7, 2, 1]
+
+
+def test_coactivation_and_next_layer_guess():
+    t = hand_trace()
+    co = stats.coactivation(t)
+    assert co.shape == (1, 4, 4) and co.sum() == 4 * 4  # 4 tokens recorded at both layers, 2x2 pairs each
+    assert co[0, 0, 2] == 2 and co[0, 0, 3] == 2 and co[0, 1, 0] == 1
+    conditional, popular = stats.next_layer_predictability(t, co, stats.popularity(t))
+    assert 0 <= popular[0] <= conditional[0] <= 1
+
+
+def independent_reuse(path: Path) -> dict[int, tuple[float, float]]:
+    """Per layer (first-choice share, any-overlap share) straight from the JSONL rows."""
+    by_run = defaultdict(dict)
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            by_run[row["problem_id"], row["layer"]][row["token_idx"]] = row["experts"]
+    same_first, overlap, pairs = defaultdict(int), defaultdict(int), defaultdict(int)
+    for (_, layer), tokens in by_run.items():
+        for i in tokens:
+            if i + 1 in tokens:
+                a, b = tokens[i], tokens[i + 1]
+                pairs[layer] += 1
+                same_first[layer] += a[0] == b[0]
+                overlap[layer] += bool(set(a) & set(b))
+    return {layer: (same_first[layer] / pairs[layer], overlap[layer] / pairs[layer]) for layer in pairs}
+
+
+@needs_shared
+@pytest.mark.parametrize("name", ["gsm8k", "humaneval"])
+def test_mixtral_reuse_matches_independent_count_and_the_papers_pattern(name):
+    path = SHARED_TRACES / "mixtral-8x7b" / f"{name}.jsonl"
+    first, any_ = stats.consecutive_reuse(import_trace(path))
+    expected = independent_reuse(path)
+    assert first.tolist() == pytest.approx([expected[layer][0] for layer in range(32)], abs=1e-12)
+    assert any_.tolist() == pytest.approx([expected[layer][1] for layer in range(32)], abs=1e-12)
+    # the paper (Table 5): layer 0 near random (12.5 % / 46 %), middle layers clearly above it
+    random_first, random_any = stats.random_reuse(8, 2)
+    assert abs(first[0] - random_first) < 0.03 and abs(any_[0] - random_any) < 0.07
+    middle = slice(8, 24)
+    assert first[middle].mean() > random_first + 0.06 and first[middle].mean() > first[0] + 0.05
+    assert any_[middle].mean() > random_any + 0.08 and any_[middle].mean() > any_[0] + 0.05
