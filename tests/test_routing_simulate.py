@@ -1,0 +1,102 @@
+"""Simulator scopes, profiles, the CLI commands, and the learned policy against LRU on the real traces."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeswap.cli import main
+from moeswap.errors import MoeswapError
+from moeswap.experts.policies import LRU
+from moeswap.routing.importers import import_trace
+from moeswap.routing.profile import Profile, build_profile, hot_set
+from moeswap.routing.simulate import global_requests, layer_requests, simulate, simulate_grid
+from moeswap.routing.traces import RoutingTrace
+
+SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
+needs_shared = pytest.mark.skipif(not SHARED_TRACES.is_dir(),
+                                  reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
+
+
+def two_layer_trace() -> RoutingTrace:
+    ids = [[[0], [1]], [[1], [1]], [[0], [-1]], [[0], [2]]]
+    return RoutingTrace(model="m", arch="x", layers=[2, 4], n_experts=3, k=1, prompt_offsets=[0, 4],
+                        expert_ids=ids, weights=np.ones((4, 2, 1)))
+
+
+def test_request_streams_per_layer_and_global():
+    t = two_layer_trace()
+    assert layer_requests(t, 0) == [0, 1, 0, 0] and layer_requests(t, 1) == [1, 1, 2]
+    assert global_requests(t) == [(0, 0), (1, 1), (0, 1), (1, 1), (0, 0), (0, 0), (1, 2)]
+
+
+def test_simulate_counts_hits_per_layer():
+    t = two_layer_trace()
+    lru = lambda ctx: LRU(ctx.capacity)  # noqa: E731
+    per_layer = simulate(t, "lru", lru, 1, "per-layer")
+    assert per_layer.hits.tolist() == [1, 1] and per_layer.requests.tolist() == [4, 3]
+    shared = simulate(t, "lru", lru, 1, "global")  # 2 slots for both layers
+    # (0,0) m, (1,1) m, (0,1) m evicts (0,0), (1,1) H, (0,0) m evicts (0,1), (0,0) H, (1,2) m
+    assert shared.hits.tolist() == [1, 1] and shared.hit_rate == pytest.approx(2 / 7)
+
+
+def test_profile_hot_sets_and_round_trip(tmp_path):
+    counts = np.array([[5, 1, 0], [2, 9, 3]])
+    assert hot_set(counts, 3, per_layer=False) == [(1, 1), (0, 0), (1, 2)]
+    assert hot_set(counts, 1, per_layer=True) == [(1, 1), (0, 0)]
+    profile = build_profile(two_layer_trace(), 2, per_layer=False)
+    profile.save(tmp_path / "p.json")
+    loaded = Profile.load(tmp_path / "p.json")
+    assert loaded.hot == [(0, 0), (1, 1)] and loaded.reuse == profile.reuse
+    assert json.loads((tmp_path / "p.json").read_text())["hot"] == {"2": [0], "4": [1]}
+
+
+def test_unknown_policy_and_mismatched_profile_are_user_errors(tmp_path):
+    t = two_layer_trace()
+    with pytest.raises(MoeswapError, match="unknown policy 'mru'"):
+        list(simulate_grid(t, ["mru"], [1], "per-layer"))
+    other = RoutingTrace(model="m", arch="x", layers=[0], n_experts=3, k=1, prompt_offsets=[0, 1],
+                         expert_ids=[[[0]]], weights=[[[1.0]]])
+    build_profile(other, 1, per_layer=True).save(tmp_path / "other.json")
+    with pytest.raises(MoeswapError, match="profile is for layers"):
+        list(simulate_grid(t, [f"pinned:{tmp_path / 'other.json'}"], [1], "per-layer"))
+
+
+def test_cli_commands_end_to_end(tmp_path, capsys):
+    src = tmp_path / "run.csv"
+    rows = [f"decode,1,{layer},0,{(t * 3 + layer) % 4},{(t + 1) % 4}" for t in range(12) for layer in (0, 1)]
+    src.write_text("phase,n_tokens,layer,token_idx,e0,e1\n" + "\n".join(rows) + "\n")
+    trace = tmp_path / "run.npz"
+    assert main(["import-trace", str(src), "-o", str(trace), "--experts", "4"]) == 0
+    assert main(["profile", str(trace), "--budget", "1", "--per-layer", "-o", str(tmp_path / "p.json")]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(trace), "--policy", f"lru,belady,learned:{tmp_path / 'p.json'}",
+                 "--capacity", "1,3", "--global", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [(r["policy"].split(":")[0], r["capacity"], r["scope"]) for r in results] == [
+        ("lru", 1, "global"), ("lru", 3, "global"), ("belady", 1, "global"), ("belady", 3, "global"),
+        ("learned", 1, "global"), ("learned", 3, "global")]
+    assert all(r["requests"] == 48 for r in results)
+    assert main(["stats", str(trace), "--json", "--plots", str(tmp_path / "plots")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["n_tokens"] == 12 and doc["k"] == 2 and len(doc["gini"]) == 2
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == ["hit_rate.png", "popularity.png",
+                                                                       "reuse_distance.png"]
+    assert (tmp_path / "plots" / "hit_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", str(tmp_path / "missing.npz")]) == 2
+
+
+@needs_shared
+@pytest.mark.parametrize("scored, learned_on", [("humaneval", "gsm8k"), ("gsm8k", "humaneval")])
+def test_learned_policy_beats_lru_above_k_on_the_other_mixtral_trace(tmp_path, scored, learned_on):
+    score = import_trace(SHARED_TRACES / "mixtral-8x7b" / f"{scored}.jsonl")
+    build_profile(import_trace(SHARED_TRACES / "mixtral-8x7b" / f"{learned_on}.jsonl"), 0, True).save(tmp_path / "p.json")
+    capacities = [3, 4, 5, 6]  # above k = 2
+    results = {(r.policy.split(":")[0], r.capacity): r.hit_rate for r in simulate_grid(
+        score, ["lru", f"learned:{tmp_path / 'p.json'}", "belady"], capacities, "per-layer")}
+    for c in capacities:
+        assert results["lru", c] < results["learned", c] < results["belady", c], c
