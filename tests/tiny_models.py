@@ -55,11 +55,11 @@ def _configs():
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3")
 
 
-def build(family: str, seed: int = 0):
+def build(family: str, seed: int = 0, **overrides):
     """A float32 transformers model in eval mode, its weights drawn from `seed`."""
     config_cls, model_cls, kwargs = _configs()[family]
     torch.manual_seed(seed)
-    config = config_cls(**kwargs)
+    config = config_cls(**{**kwargs, **overrides})
     model = model_cls(config).eval()
     if family == "gemma3":
         # Random norms around 0 would make Gemma's (1 + w) near 1 everywhere; spread them.
@@ -89,9 +89,9 @@ def save_tokenizer(folder: Path) -> None:
     (Path(folder) / "tokenizer.model").write_bytes(proto.getvalue())
 
 
-def save(family: str, folder: Path, seed: int = 0):
+def save(family: str, folder: Path, seed: int = 0, **overrides):
     """Save the tiny model and a tokenizer as a HF folder; returns the transformers model."""
-    model = build(family, seed)
+    model = build(family, seed, **overrides)
     model.save_pretrained(folder)
     save_tokenizer(folder)
     return model
