@@ -123,9 +123,9 @@ class LFU(DemandPolicy):
 
     name = "lfu"
 
-    def __init__(self, capacity: int, prior: dict | None = None):
+    def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._count: Counter = Counter(prior or {})
+        self._count: Counter = Counter()
         self._last_use: dict = {}
 
     def access(self, key):
