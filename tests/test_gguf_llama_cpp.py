@@ -1,4 +1,5 @@
-"""A legacy-split Mixtral-shaped file fails to load in llama.cpp before `moeswap fix`, loads after."""
+"""A legacy-split Mixtral-shaped file fails to load in llama.cpp before `moeswap fix`;
+after it, it loads and computes the same logits as the stacked original."""
 
 from __future__ import annotations
 

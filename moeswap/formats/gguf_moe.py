@@ -94,9 +94,11 @@ EXPERT_BASE_ALIASES: dict[str, str] = {
 SPLIT_EXPERT_PATTERNS: tuple[re.Pattern, ...] = (
     re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)\.(?P<expert>\d+)\.weight$"),
     re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<part>gate|up|down)_expert_(?P<expert>\d+)\.weight$"),
-    re.compile(r"^blk\.(?P<layer>\d+)\.ffn_expert_(?P<expert>\d+)[._](?P<part>gate|up|down)\.weight$"),
+    re.compile(r"^blk\.(?P<layer>\d+)\.ffn_expert_(?P<expert>\d+)[._]"
+               r"(?P<part>gate|up|down)\.weight$"),
 )
-_LAYER_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<base>[A-Za-z0-9_]+?)(?:\.(?P<kind>weight|bias|scale))?$")
+_LAYER_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<base>[A-Za-z0-9_]+?)"
+                         r"(?:\.(?P<kind>weight|bias|scale))?$")
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,8 @@ def read_metadata(gf: GGUFFile) -> MoEMetadata:
         expert_shared_feed_forward_length=_int_value(gf, "expert_shared_feed_forward_length"),
         leading_dense_block_count=_int_value(gf, "leading_dense_block_count"),
         expert_gating_func=_int_value(gf, "expert_gating_func"),
-        expert_weights_scale=float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else None,
+        expert_weights_scale=(float(scale) if isinstance(scale, (int, float))
+                              and not isinstance(scale, bool) else None),
         expert_weights_norm=norm if isinstance(norm, bool) else None,
     )
 

@@ -88,7 +88,8 @@ def check_duplicate_tensors(gf, view):
 
 def check_architecture(gf, view):
     if gf.architecture is None:
-        yield _finding("missing-architecture", "key general.architecture is missing or not a string")
+        yield _finding("missing-architecture",
+                       "key general.architecture is missing or not a string")
 
 
 def check_known_architecture(gf, view):
@@ -329,15 +330,18 @@ RULES: tuple[Rule, ...] = (
          "moeswap fix (infers it from the expert tensor shapes)"),
     Rule("missing-expert-used-count", ERROR, check_expert_used_count_present,
          "no {arch}.expert_used_count",
-         "moeswap fix --set {arch}.expert_used_count=K (the model card's top-k; no shape holds it)"),
+         "moeswap fix --set {arch}.expert_used_count=K (the model card's top-k; "
+         "no shape holds it)"),
     Rule("missing-expert-feed-forward-length", WARNING, check_expert_feed_forward_length_present,
          "no {arch}.expert_feed_forward_length",
          "moeswap fix (infers it from the expert tensor shapes)"),
     Rule("expert-count-over-limit", ERROR, check_expert_count_limit,
          "expert_count above llama.cpp's limit of 512", "moeswap fix --set {arch}.expert_count=N"),
-    Rule("expert-used-zero", ERROR, check_expert_used_zero, "expert_used_count = 0 with experts present",
+    Rule("expert-used-zero", ERROR, check_expert_used_zero,
+         "expert_used_count = 0 with experts present",
          "moeswap fix --set {arch}.expert_used_count=K"),
-    Rule("expert-used-gt-count", ERROR, check_expert_used_not_above_count, "expert_used_count > expert_count",
+    Rule("expert-used-gt-count", ERROR, check_expert_used_not_above_count,
+         "expert_used_count > expert_count",
          "moeswap fix --set {arch}.expert_used_count=K"),
     Rule("nonstandard-expert-name", ERROR, check_nonstandard_names,
          "expert or router tensors under names llama.cpp does not look up",
@@ -356,7 +360,8 @@ RULES: tuple[Rule, ...] = (
          "correct the metadata with moeswap fix --set, or re-convert"),
     Rule("unknown-tensor-type", ERROR, check_tensor_types, "a tensor type id ggml does not know",
          "use a newer moeswap/gguf, or re-convert"),
-    Rule("invalid-tensor-shape", ERROR, check_tensor_shapes, "rows not a whole number of quant blocks",
+    Rule("invalid-tensor-shape", ERROR, check_tensor_shapes,
+         "rows not a whole number of quant blocks",
          _REREAD),
     Rule("misaligned-tensor-offset", ERROR, check_alignment,
          "tensor data not aligned to general.alignment", "moeswap fix (rewrites the data section)"),

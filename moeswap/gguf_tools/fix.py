@@ -361,7 +361,8 @@ def _write_atomically(p: FixPlan, src: Path, out: Path, on_progress) -> Report:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:
-            raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); nothing written") from None
+            raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); "
+                               "nothing written") from None
         shutil.copymode(src, tmp)
         report = diagnose(tmp)
         errors = [f for f in report.findings if f.severity == ERROR]

@@ -58,7 +58,8 @@ class InspectReport:
     def to_json(self, with_tensors: bool = False) -> dict:
         data = asdict(self)
         data["metadata"]["expert_gating_func_name"] = self.metadata.gating_func_name
-        data["type_mix"] = {name: {"tensors": n, "bytes": b} for name, (n, b) in self.type_mix.items()}
+        data["type_mix"] = {name: {"tensors": n, "bytes": b}
+                            for name, (n, b) in self.type_mix.items()}
         if not with_tensors:
             del data["tensors"]
         return data

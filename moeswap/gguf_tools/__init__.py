@@ -1,0 +1,1 @@
+"""GGUF tools: inspect, doctor, fix (and convert)."""
