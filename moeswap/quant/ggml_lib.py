@@ -87,7 +87,10 @@ class GGML:
             libraries[key] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         self.lib_dir = lib_dir
         for name, (library, restype, argtypes) in _SIGNATURES.items():
-            function = getattr(libraries[library], name)
+            function = getattr(libraries[library], name, None)
+            if function is None:
+                raise MoeswapError(f"{lib_dir}: this llama-cpp-python's ggml lacks {name}; "
+                                   f"upgrade it with `pip install -U llama-cpp-python`")
             function.restype = restype
             function.argtypes = argtypes
             setattr(self, name, function)
