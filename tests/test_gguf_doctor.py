@@ -97,10 +97,11 @@ def _bad_inputs(tmp_path):
     return paths
 
 
-@pytest.mark.parametrize("command", ["inspect", "doctor"])
+@pytest.mark.parametrize("command", ["inspect", "doctor", "fix"])
 def test_cli_bad_input_is_one_line(command, tmp_path, capsys):
+    extra = ["-o", str(tmp_path / "out.gguf")] if command == "fix" else []
     for name, path in _bad_inputs(tmp_path).items():
-        code = main([command, str(path)])
+        code = main([command, str(path), *extra])
         err = capsys.readouterr().err
         assert code == 2, name
         assert err.count("\n") == 1 and str(path) in err, (name, err)
