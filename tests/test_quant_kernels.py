@@ -120,21 +120,36 @@ def test_float32_weights_are_exact_so_quantized_error_is_the_activations(kernels
     assert 1e-7 < errors[Q.Q8_0] <= NMSE_BOUND
 
 
-def test_result_does_not_depend_on_thread_count_or_where_the_bytes_lie(kernels):
-    """The offload issue's exactness: an expert gives the same bits from any tier."""
-    rng = np.random.default_rng(5)
-    width, height, n_experts = 512, 96, 4
-    for ggml_type in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.MXFP4):
-        raw = stored_bytes(rng.standard_normal((n_experts * height, width)).astype(np.float32),
+@pytest.mark.parametrize("ggml_type", sorted(SUPPORTED_TYPES), ids=lambda t: t.name)
+def test_an_expert_gives_the_same_bits_from_any_tier(kernels, ggml_type):
+    """The offload issue's exactness: each expert computed alone from a copy of its bytes (a
+    one-expert stack, as a host tier would hold it) on the tokens that picked it gives exactly
+    the bits of the whole mmap'd stack, and the thread count changes nothing."""
+    width, height, n_experts, n_tokens, n_picked = 512, 96, 6, 32, 2
+    rng = np.random.default_rng(11)
+    raw = stored_bytes(rng.standard_normal((n_experts * height, width)).astype(np.float32),
+                       ggml_type)
+    x = torch.randn(n_tokens, width)
+    ids = torch.stack([torch.randperm(n_experts)[:n_picked] for _ in range(n_tokens)])  # [T, K]
+    stacked = kernels.experts(raw, ggml_type, (width, height, n_experts)).matmul(x, ids)
+    one_thread = CpuKernels(n_threads=1).experts(raw, ggml_type, (width, height, n_experts))
+    assert torch.equal(stacked, one_thread.matmul(x, ids))
+    for expert in range(n_experts):
+        tokens, slots = torch.nonzero(ids == expert, as_tuple=True)
+        copy = raw[expert * height:(expert + 1) * height].copy()
+        alone = kernels.experts(copy, ggml_type, (width, height, 1))
+        result = alone.matmul(x[tokens], torch.zeros(len(tokens), 1, dtype=torch.long))
+        assert torch.equal(result[:, 0], stacked[tokens, slots]), expert
+
+
+def test_one_token_gives_the_same_bits_as_matrix_or_as_expert(kernels):
+    for ggml_type in sorted(SUPPORTED_TYPES):
+        raw = stored_bytes(np.random.default_rng(2).standard_normal((64, 256)).astype(np.float32),
                            ggml_type)
-        ne = (width, height, n_experts)
-        x = torch.randn(6, width)
-        ids = torch.tensor([[2]] * 6)
-        stacked = kernels.experts(raw, ggml_type, ne).matmul(x, ids)[:, 0]  # [T, out]
-        one_thread = CpuKernels(n_threads=1).experts(raw, ggml_type, ne).matmul(x, ids)[:, 0]
-        copied = kernels.matrix(raw[2 * height:3 * height].copy(), ggml_type, (width, height))
-        assert torch.equal(stacked, one_thread), ggml_type.name
-        assert torch.equal(stacked, copied.matmul(x)), ggml_type.name
+        x = torch.randn(1, 256)
+        as_matrix = kernels.matrix(raw, ggml_type, (256, 64)).matmul(x)  # [1, out]
+        as_expert = kernels.experts(raw, ggml_type, (256, 64, 1)).matmul(x, torch.zeros(1, 1, dtype=torch.long))
+        assert torch.equal(as_matrix, as_expert[:, 0]), ggml_type.name
 
 
 def test_unaligned_bytes_are_copied_not_rejected(kernels):
