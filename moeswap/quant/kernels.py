@@ -199,12 +199,13 @@ class QuantExperts:
         if ids.dim() != 2:
             raise ValueError(f"ids must be [tokens, picked], got shape {tuple(ids.shape)}")
         n_tokens, n_picked = ids.shape
-        rows = x.reshape(n_tokens, -1, x.shape[-1])  # [T, S, in], S = 1 or K
-        if rows.shape[1] not in (1, n_picked):
-            raise ValueError(f"x must be [T, in] or [T, {n_picked}, in], got {tuple(x.shape)}")
-        per_token = rows.shape[1]
-        rows = _float_rows(rows.reshape(-1, x.shape[-1]), self.in_features)  # [T*S, in]
-        picks = ids.to(torch.int32).contiguous()  # [T, K]
+        per_token = x.shape[1] if x.dim() == 3 else 1  # S: input rows per token, 1 or K
+        if x.dim() not in (2, 3) or x.shape[0] != n_tokens or per_token not in (1, n_picked):
+            raise ValueError(f"x must be [{n_tokens}, in] or [{n_tokens}, {n_picked}, in], "
+                             f"got {tuple(x.shape)}")
+        rows = x.reshape(n_tokens * per_token, x.shape[-1])  # [T*S, in]
+        rows = _float_rows(rows, self.in_features)
+        picks = ids.to("cpu", torch.int32).contiguous()  # [T, K]
         picks_np = picks.numpy()
         if picks_np.size and (picks_np.min() < 0 or picks_np.max() >= self.n_experts):
             raise ValueError(f"expert ids must lie in [0, {self.n_experts}), "
