@@ -5,7 +5,7 @@
 Each learned policy is scored on a trace it never saw: the Mixtral profiles swap gsm8k and
 humaneval; Switch-base-8 (one trace of 10 prompts) is split into prompts 0-4 and 5-9.
 Prints Markdown: hit rates, per-layer caches of 1-6 experts, and the learned policy's gain
-over LRU for other reuse-table windows.
+over LRU had each reuse-table window been imposed instead of chosen on the learning trace.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from moeswap.routing.importers import import_trace
 from moeswap.routing.profile import build_profile, learn_reuse_table
-from moeswap.routing.simulate import simulate, simulate_grid
+from moeswap.routing.policy_specs import simulate_grid
+from moeswap.routing.simulate import simulate
 from moeswap.experts.policies import LRU, LearnedReuse
 
 CAPACITIES = [1, 2, 3, 4, 5, 6]
@@ -42,11 +43,13 @@ def main(traces_dir: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, scored, learning in pairs:
             profile_path = Path(tmp) / "profile.json"
-            build_profile(learning, budget=0, per_layer=True).save(profile_path)
+            profile = build_profile(learning, budget=0, per_layer=True)
+            profile.save(profile_path)
             specs = [f"learned:{profile_path}" if p == "learned" else p for p in POLICIES]
             results = {(r.policy.split(":")[0], r.capacity): r.hit_rate
                        for r in simulate_grid(scored, specs, CAPACITIES, "per-layer")}
-            print(f"\n**{label}** — top-{scored.k}, {scored.n_tokens} tokens, {scored.n_layers} layers\n")
+            print(f"\n**{label}** — top-{scored.k}, {scored.n_tokens} tokens, {scored.n_layers} layers; "
+                  f"reuse window chosen on the learning trace: {profile.reuse.window} tokens\n")
             print("| policy | " + " | ".join(f"{c}" for c in CAPACITIES) + " |")
             print("|---|" + "---:|" * len(CAPACITIES))
             for policy in POLICIES:
@@ -56,7 +59,7 @@ def main(traces_dir: Path) -> None:
             print("| learned − lru | " + " | ".join(f"{g * 100:+.1f}" for g in gain) + " |")
             print("| belady − learned | " + " | ".join(f"{g * 100:+.1f}" for g in gap) + " |")
 
-    print("\n**Learned policy minus LRU (points) for other reuse-table windows, capacities k+1..6**\n")
+    print("\n**Learned policy minus LRU (points) with each window imposed, capacities k+1..6**\n")
     print("| window (tokens) | " + " | ".join(label.split(" (")[0] for label, *_ in pairs) + " |")
     print("|---|" + "---|" * len(pairs))
     for window in (8, 16, 32, 64, 128):

@@ -11,10 +11,11 @@ import pytest
 
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
-from moeswap.experts.policies import LRU
+from moeswap.experts.policies import LRU, LearnedReuse
 from moeswap.routing.importers import import_trace
-from moeswap.routing.profile import Profile, build_profile, hot_set
-from moeswap.routing.simulate import global_requests, layer_requests, simulate, simulate_grid
+from moeswap.routing.profile import WINDOW_CHOICES, Profile, build_profile, choose_window, halves, hot_set, learn_reuse_table
+from moeswap.routing.policy_specs import simulate_grid
+from moeswap.routing.simulate import global_requests, layer_requests, simulate
 from moeswap.routing.traces import RoutingTrace
 
 SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
@@ -100,3 +101,34 @@ def test_learned_policy_beats_lru_above_k_on_the_other_mixtral_trace(tmp_path, s
         score, ["lru", f"learned:{tmp_path / 'p.json'}", "belady"], capacities, "per-layer")}
     for c in capacities:
         assert results["lru", c] < results["learned", c] < results["belady", c], c
+
+
+def test_halves_split_by_prompt_or_by_token():
+    t = two_layer_trace()  # one prompt of 4 tokens
+    first, second = halves(t)
+    assert first.expert_ids.tolist() == t.expert_ids[:2].tolist()
+    assert second.expert_ids.tolist() == t.expert_ids[2:].tolist()
+    three = RoutingTrace(model="m", arch="x", layers=[0], n_experts=2, k=1, prompt_offsets=[0, 1, 3, 4],
+                         expert_ids=[[[0]], [[1]], [[1]], [[0]]], weights=np.ones((4, 1, 1)))
+    first, second = halves(three)
+    assert first.prompt_offsets.tolist() == [0, 1] and second.prompt_offsets.tolist() == [0, 2, 3]
+
+
+def test_window_is_chosen_from_the_profiled_trace_alone():
+    # a 3-expert cycle with a fourth expert every 20 tokens; windows differ in how well they predict
+    rows = [[[3]] if t % 20 == 0 else [[t % 3]] for t in range(400)]
+    t = RoutingTrace(model="m", arch="x", layers=[0], n_experts=5, k=1, prompt_offsets=[0, 200, 400],
+                     expert_ids=rows, weights=np.ones((400, 1, 1)))
+    first, second = halves(t)
+    hits = {}
+    for window in WINDOW_CHOICES:  # learn on one half, replay on the other, both ways, capacities 2..4
+        hits[window] = 0
+        for learn_on, score_on in ((first, second), (second, first)):
+            table = learn_reuse_table(learn_on, window)
+            for capacity in (2, 3, 4):
+                policy = LearnedReuse(capacity, table, k=1)
+                hits[window] += sum(policy.access(e).hit for e in score_on.expert_ids[:, 0, 0].tolist())
+    assert len(set(hits.values())) > 1
+    best = max(WINDOW_CHOICES, key=hits.__getitem__)
+    assert choose_window(t) == best
+    assert build_profile(t, 0, per_layer=True).reuse.window == best

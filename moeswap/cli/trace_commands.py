@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import track
 
 from moeswap.errors import MoeswapError
-from moeswap.routing import importers, plots, profile, simulate, stats
+from moeswap.routing import importers, plots, policy_specs, profile, simulate, stats
 from moeswap.routing.traces import RoutingTrace
 
 
@@ -21,7 +21,7 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("simulate", help="replay a trace through cache policies; hit rate per capacity")
     p.add_argument("trace", help="a moeswap trace (.npz)")
-    p.add_argument("--policy", default="lru,lfu,belady", help=f"comma-separated: {simulate.POLICY_HELP}")
+    p.add_argument("--policy", default="lru,lfu,belady", help=f"comma-separated: {policy_specs.POLICY_HELP}")
     p.add_argument("--capacity", default="1,2,4", help="comma-separated experts per layer, e.g. 2,4,8")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--per-layer", dest="scope", action="store_const", const="per-layer",
@@ -68,7 +68,7 @@ def run_stats(args) -> int:
     if args.plots:
         specs = ["lru", "lfu", "lfuda", "belady"]
         capacities = list(range(1, trace.n_experts + 1))
-        curves = list(track(simulate.simulate_grid(trace, specs, capacities, "per-layer"),
+        curves = list(track(policy_specs.simulate_grid(trace, specs, capacities, "per-layer"),
                             total=len(specs) * len(capacities), description="simulating",
                             console=Console(stderr=True), transient=True))
         for path in plots.write_plots(result, curves, args.plots):
@@ -80,7 +80,7 @@ def run_simulate(args) -> int:
     trace = RoutingTrace.load(args.trace)
     specs = [s.strip() for s in args.policy.split(",") if s.strip()]
     capacities = _int_list(args.capacity, "--capacity")
-    results = list(track(simulate.simulate_grid(trace, specs, capacities, args.scope),
+    results = list(track(policy_specs.simulate_grid(trace, specs, capacities, args.scope),
                          total=len(specs) * len(capacities), description="simulating",
                          console=Console(stderr=True), transient=True))
     if args.json:
@@ -92,7 +92,8 @@ def run_simulate(args) -> int:
 
 def run_profile(args) -> int:
     trace = RoutingTrace.load(args.trace)
-    result = profile.build_profile(trace, args.budget, args.per_layer, source=f"profiled from {args.trace}")
+    with Console(stderr=True).status("learning the reuse table (cross-validating its window)"):
+        result = profile.build_profile(trace, args.budget, args.per_layer, source=f"profiled from {args.trace}")
     result.save(args.output)
     print(f"wrote {args.output}: {result.budget} hot experts over {len(result.layers)} layers")
     return 0

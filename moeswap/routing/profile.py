@@ -7,6 +7,7 @@ Both are learned from one trace and meant to be used on other runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -15,13 +16,15 @@ from pathlib import Path
 import numpy as np
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.policies import ReuseTable
+from moeswap.experts.policies import LearnedReuse, ReuseTable
+from moeswap.routing.simulate import simulate
 from moeswap.routing.stats import popularity
 from moeswap.routing.traces import RoutingTrace
 
 PROFILE_FORMAT = "moeswap.profile.v1"
 AGE_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 1 << 30)  # tokens; the last bucket is open
-REUSE_WINDOW = 16  # tokens
+WINDOW_CHOICES = (8, 16, 32, 64, 128)  # tokens; build_profile picks one by cross-validation
+REUSE_WINDOW = 16  # tokens; the window of traces too short to cross-validate
 REUSE_HORIZON = 64  # tokens; later (or never) next uses count as this
 MIN_SAMPLES = 5  # a table cell with fewer samples falls back to its age bucket's mean
 
@@ -156,6 +159,40 @@ def _next_use_after(tokens: list[list[int]], n_experts: int) -> np.ndarray:
     return result[:-1]
 
 
+def halves(trace: RoutingTrace) -> tuple[RoutingTrace, RoutingTrace]:
+    """The trace's first and second half: by prompts when it has several, else by tokens."""
+    if trace.n_prompts >= 2:
+        middle = trace.n_prompts // 2
+        return (trace.select_prompts(list(range(middle))),
+                trace.select_prompts(list(range(middle, trace.n_prompts))))
+    cut = dataclasses.replace(trace, prompt_offsets=[0, trace.n_tokens // 2, trace.n_tokens],
+                              prompt_names=["first half", "second half"])
+    return cut.select_prompts([0]), cut.select_prompts([1])
+
+
+def choose_window(trace: RoutingTrace) -> int:
+    """The reuse-table window that predicts this trace best, judged on this trace alone.
+
+    Each candidate's table is learned on one half of the trace and replayed on the other,
+    both ways, through per-layer caches of k+1 .. E-1 experts (where policies differ); the
+    window with the most hits wins, the smaller one on ties.
+    """
+    capacities = range(trace.k + 1, trace.n_experts)
+    if trace.n_tokens < 4 or not capacities:
+        return REUSE_WINDOW
+    first, second = halves(trace)
+
+    def hits(window: int) -> int:
+        total = 0
+        for learn_on, score_on in ((first, second), (second, first)):
+            table = learn_reuse_table(learn_on, window)
+            factory = lambda ctx: LearnedReuse(ctx.capacity, table, ctx.k, ctx.layer_of)  # noqa: E731
+            total += sum(int(simulate(score_on, "learned", factory, c, "per-layer").hits.sum()) for c in capacities)
+        return total
+
+    return max(WINDOW_CHOICES, key=hits)
+
+
 def build_profile(trace: RoutingTrace, budget: int, per_layer: bool, source: str = "") -> Profile:
     counts = popularity(trace)
     hot = hot_set(counts, budget, per_layer)
@@ -168,6 +205,6 @@ def build_profile(trace: RoutingTrace, budget: int, per_layer: bool, source: str
         budget=len(hot),
         hot=hot,
         counts=counts.tolist(),
-        reuse=learn_reuse_table(trace),
+        reuse=learn_reuse_table(trace, choose_window(trace)),
         source=source or trace.source,
     )

@@ -9,15 +9,12 @@ order; a policy may admit or bypass a miss. ``per-layer``: each layer has its ow
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from moeswap.errors import MoeswapError
-from moeswap.experts import policies as p
 from moeswap.experts.policies import CachePolicy, Key
-from moeswap.routing.profile import Profile
 from moeswap.routing.traces import RoutingTrace
 
 SCOPES = ("per-layer", "global")
@@ -90,59 +87,6 @@ def simulate(trace: RoutingTrace, name: str, factory: PolicyFactory, capacity: i
 def _replay(policy: CachePolicy, stream: list[Key]) -> int:
     access = policy.access
     return sum(access(key).hit for key in stream)
-
-
-POLICY_HELP = (
-    "lru, lfu, lfuda, arc, s3fifo, belady, window:N (fewest uses in the last N requests), "
-    "admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the profile's hot set "
-    "pinned, LRU for the other slots), learned:PROFILE (evicts by the profile's reuse table)"
-)
-
-
-def policy_factory(spec: str, trace: RoutingTrace) -> PolicyFactory:
-    """The factory a ``--policy`` item names (see POLICY_HELP); profiles must match the trace's layers."""
-    name, _, arg = spec.partition(":")
-    plain = {
-        "lru": lambda ctx: p.LRU(ctx.capacity),
-        "lfu": lambda ctx: p.LFU(ctx.capacity),
-        "lfuda": lambda ctx: p.LFUDA(ctx.capacity),
-        "arc": lambda ctx: p.ARC(ctx.capacity),
-        "s3fifo": lambda ctx: p.S3FIFO(ctx.capacity),
-        "belady": lambda ctx: p.Belady(ctx.capacity, ctx.requests),
-    }
-    if name in plain and not arg:
-        return plain[name]
-    if name in ("window", "admit") and arg.isdigit() and int(arg) > 0:
-        n = int(arg)
-        if name == "window":
-            return lambda ctx: p.SlidingWindow(ctx.capacity, n)
-        return lambda ctx: p.AdmitAfter(p.LRU(ctx.capacity), n)
-    if name in ("pinned", "learned") and arg:
-        profile = Profile.load(arg)
-        if profile.layers != trace.layers.tolist() or profile.n_experts != trace.n_experts:
-            raise MoeswapError(f"{arg}: profile is for layers {profile.layers} with {profile.n_experts} experts, "
-                               f"the trace has {trace.layers.tolist()} with {trace.n_experts}; profile a trace of this model")
-        if name == "learned":
-            return lambda ctx: p.LearnedReuse(ctx.capacity, profile.reuse, ctx.k, ctx.layer_of)
-        return lambda ctx: _pinned(profile, ctx)
-    raise MoeswapError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
-
-
-def _pinned(profile: Profile, ctx: CacheContext) -> CachePolicy:
-    hot = profile.hot if ctx.layer is None else profile.hot_in_layer(ctx.layer)
-    hot = hot[: ctx.capacity]
-    return p.Pinned(hot, p.LRU(ctx.capacity - len(hot)))
-
-
-def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], scope: str) -> Iterator[SimResult]:
-    """Every named policy at every capacity, one result at a time (policy-major).
-
-    All specs (and their profiles) are resolved before the first replay, so a bad one fails fast.
-    """
-    factories = [(spec, policy_factory(spec, trace)) for spec in specs]
-    for spec, factory in factories:
-        for capacity in capacities:
-            yield simulate(trace, spec, factory, capacity, scope)
 
 
 def render_results(results: list[SimResult], console) -> None:
