@@ -107,8 +107,7 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
     writer.add_file_type(OUT_TYPES[out_type][1])
-    if _quantized(OUT_TYPES[out_type][0]):
-        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)  # the reference writes it always
     if c.arch in ("llama", "granitemoe"):
         writer.add_vocab_size(c.n_vocab)
         writer.add_rope_dimension_count(c.n_rot)
