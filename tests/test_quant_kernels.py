@@ -6,6 +6,8 @@ test-backend-ops uses for matrix products.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -179,6 +181,16 @@ def test_bad_weights_and_inputs_raise_instead_of_aborting(kernels):
         experts.matmul(torch.zeros(1, 64), torch.tensor([[2]]))
     with pytest.raises(ValueError, match=r"x must be \[1, in\] or \[1, 2, in\]"):
         experts.matmul(torch.zeros(2, 64), torch.tensor([[0, 1]]))
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc maps")
+def test_llama_cpp_and_moeswap_share_one_copy_of_ggml(kernels):
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if "libggml-base" in line}
+    assert len(mapped) == 1, mapped
 
 
 @pytest.fixture(scope="module")

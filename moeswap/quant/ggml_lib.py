@@ -74,16 +74,9 @@ class GGML:
     """The loaded libraries, with every function in ``_SIGNATURES`` as an attribute."""
 
     def __init__(self, lib_dir: Path):
-        suffix = ".dylib" if sys.platform == "darwin" else ".so"
         libraries = {}
         for key, stem in (("base", "libggml-base"), ("cpu", "libggml-cpu")):
-            path = lib_dir / f"{stem}{suffix}"
-            if not path.exists():
-                raise MoeswapError(
-                    f"{path}: llama-cpp-python's ggml library is missing (was it built with "
-                    f"GGML_BACKEND_DL?); reinstall it with `pip install --force-reinstall "
-                    f"--no-cache-dir llama-cpp-python`")
-            # RTLD_GLOBAL: llama_cpp, if imported too, then shares these same copies.
+            path = _library_file(lib_dir, stem)
             libraries[key] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         self.lib_dir = lib_dir
         for name, (library, restype, argtypes) in _SIGNATURES.items():
@@ -95,6 +88,23 @@ class GGML:
             function.argtypes = argtypes
             setattr(self, name, function)
         self.version = self.ggml_version().decode()
+
+
+def _library_file(lib_dir: Path, stem: str) -> Path:
+    """The file named by the library's soname, the one libllama's DT_NEEDED resolves to.
+
+    The wheel holds libggml-base.so, .so.0 and .so.0.25.3 as three copies, not links; loading
+    the soname file makes the dynamic loader share one copy with llama_cpp when both are used.
+    """
+    names = ([f"{stem}.0.dylib", f"{stem}.dylib"] if sys.platform == "darwin"
+             else [f"{stem}.so.0", f"{stem}.so"])
+    for name in names:
+        if (lib_dir / name).exists():
+            return lib_dir / name
+    raise MoeswapError(
+        f"{lib_dir / names[-1]}: llama-cpp-python's ggml library is missing (built with "
+        f"GGML_BACKEND_DL?); reinstall it with `pip install --force-reinstall --no-cache-dir "
+        f"llama-cpp-python`")
 
 
 @functools.lru_cache(maxsize=1)

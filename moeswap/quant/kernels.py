@@ -1,7 +1,7 @@
 """Matrix products computed directly on stored quantized bytes, on the CPU, through ggml.
 
-One ``CpuKernels`` object owns what every product shares: ggml's CPU backend, a persistent
-thread pool, and a scratch area that inputs are copied into and outputs read from. Weights are
+One ``CpuKernels`` object owns what every product shares: ggml's CPU backend, its thread
+pool, and a scratch area that inputs are copied into and outputs read from. Weights are
 bound once, without copying, as ``QuantMatrix`` (one ``[out, in]`` matrix: a dense layer or a
 single expert) or ``QuantExperts`` (a stack ``[E, out, in]`` multiplied per token by the experts
 the router picked). For each token count a one-node ggml graph is built on first use and kept,
@@ -9,8 +9,9 @@ so a call costs two copies and one ``ggml_backend_graph_compute``.
 
 ggml quantizes the activations on the fly to the type its dot product wants (Q8_K for the
 K-quants, Q8_0 for Q4_0/Q5_0/Q8_0/MXFP4, ...); docs/KERNELS.md gives the accuracy this costs.
-The result for one token does not depend on where the bytes lie or on the thread count, so an
-expert computed from any tier gives the same bits.
+Through ``QuantExperts`` an expert's result depends only on its bytes and the tokens computed
+with it, not on where the bytes lie or on the thread count: an expert gives the same bits from
+any tier (docs/KERNELS.md, "Exactness across tiers").
 """
 
 from __future__ import annotations
