@@ -53,6 +53,18 @@ def test_sliding_window_prefers_recently_frequent():
     assert [s.evicted for s in steps] == [None, None, None, "a", "c"]
 
 
+def test_s3fifo_hand_worked():
+    # capacity 3, small queue of 1 slot. a b c fill the small FIFO. d: a (unused) leaves to the
+    # ghost queue. b is hit. e: b (used) moves to main, c (unused) leaves. a returns from the
+    # ghost queue straight to main, after d (unused, oldest in small) leaves.
+    policy = S3FIFO(3)
+    steps = [policy.access(k) for k in "abcdbea"]
+    assert "".join("H" if s.hit else "m" for s in steps) == "mmmmHmm"
+    assert [s.evicted for s in steps] == [None, None, None, "a", None, "c", "d"]
+    assert list(policy.main) == ["b", "a"] and list(policy.small) == ["e"]
+    assert list(policy.ghost) == ["c", "d"]
+
+
 def test_admit_after_bypasses_until_nth_request():
     policy = AdmitAfter(LRU(1), n=3)
     # a fills the free slot; b bypasses twice, is admitted at its 3rd request; a (2nd) bypasses

@@ -68,6 +68,13 @@ def test_coactivation_and_next_layer_guess():
     assert 0 <= popular[0] <= conditional[0] <= 1
 
 
+def test_mutual_information_between_layers():
+    independent = np.ones((1, 2, 2))  # every pair equally often
+    determined = np.array([[[5, 0], [0, 5]]])  # expert at l fixes expert at l+1
+    assert stats.mutual_information_bits(independent).tolist() == pytest.approx([0.0])
+    assert stats.mutual_information_bits(determined).tolist() == pytest.approx([1.0])
+
+
 def independent_reuse(path: Path) -> dict[int, tuple[float, float]]:
     """Per layer (first-choice share, any-overlap share) straight from the JSONL rows."""
     by_run = defaultdict(dict)

@@ -128,6 +128,18 @@ def next_layer_predictability(trace: RoutingTrace, co: np.ndarray, counts: np.nd
     return conditional, popular
 
 
+def mutual_information_bits(co: np.ndarray) -> np.ndarray:
+    """[L-1] bits that a token's expert at layer l tells about its expert at l+1, from co-activation counts.
+
+    In-sample, so biased upwards by about (E-1)^2 / (2 N ln 2) bits for N counted pairs.
+    """
+    joint = co / np.maximum(co.sum(axis=(1, 2), keepdims=True), 1)  # [L-1, E, E]
+    here, there = joint.sum(axis=2, keepdims=True), joint.sum(axis=1, keepdims=True)  # [L-1, E, 1], [L-1, 1, E]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(joint > 0, joint * np.log2(joint / (here * there)), 0.0)
+    return terms.sum(axis=(1, 2))
+
+
 @dataclass
 class TraceStats:
     model: str
@@ -147,6 +159,7 @@ class TraceStats:
     reuse_distance_counts: list[int]  # index = distance in tokens
     next_layer_conditional: list[float]  # [L-1]
     next_layer_popular: list[float]  # [L-1]
+    next_layer_mutual_info_bits: list[float]  # [L-1]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,7 +169,8 @@ def trace_stats(trace: RoutingTrace) -> TraceStats:
     counts = popularity(trace)
     first, any_ = consecutive_reuse(trace)
     rand_first, rand_any = random_reuse(trace.n_experts, trace.k)
-    conditional, popular = next_layer_predictability(trace, coactivation(trace), counts)
+    co = coactivation(trace)
+    conditional, popular = next_layer_predictability(trace, co, counts)
     return TraceStats(
         model=trace.model,
         n_tokens=trace.n_tokens,
@@ -175,6 +189,7 @@ def trace_stats(trace: RoutingTrace) -> TraceStats:
         reuse_distance_counts=reuse_distances(trace).tolist(),
         next_layer_conditional=conditional.tolist(),
         next_layer_popular=popular.tolist(),
+        next_layer_mutual_info_bits=mutual_information_bits(co).tolist(),
     )
 
 
@@ -185,7 +200,7 @@ def render_stats(stats: TraceStats, console) -> None:
     table = Table(title=f"{stats.model}: {stats.n_tokens} tokens, {stats.n_prompts} prompts, "
                         f"{stats.n_experts} experts, top-{stats.k}")
     for column in ("block", "gini", "entropy (bits)", "top-10% share", "reuse 1st", f"reuse any-of-{stats.k}",
-                   "next-layer guess", "popular guess"):
+                   "next-layer guess", "popular guess", "next-layer MI (bits)"):
         table.add_column(column, justify="right")
     L = len(stats.layers)
     for i in range(L):
@@ -195,6 +210,7 @@ def render_stats(stats: TraceStats, console) -> None:
             f"{stats.top10_share[i]:.1%}", f"{stats.reuse_first[i]:.1%}", f"{stats.reuse_any[i]:.1%}",
             f"{stats.next_layer_conditional[i]:.1%}" if has_next else "",
             f"{stats.next_layer_popular[i]:.1%}" if has_next else "",
+            f"{stats.next_layer_mutual_info_bits[i]:.3f}" if has_next else "",
         )
     console.print(table)
     console.print(f"random routing would give: reuse 1st {stats.random_reuse_first:.1%}, "

@@ -193,8 +193,8 @@ class TraceBuilder:
         trace = builder.build()
 
     ``token_idx`` is the position of the first of the n tokens within the current prompt;
-    positions never appended at a layer stay ``NO_EXPERT``. Appending is a few list
-    operations: the arrays are assembled once, in ``build``.
+    positions never appended at a layer stay ``NO_EXPERT``. Appending only keeps
+    references: the arrays are converted and assembled once, in ``build``.
     """
 
     def __init__(self, *, model: str, arch: str, layers, n_experts: int, k: int, source: str = ""):
@@ -207,22 +207,33 @@ class TraceBuilder:
         self._prompts.append((name or f"prompt-{len(self._prompts)}", []))
 
     def append(self, layer: int, token_idx: int, expert_ids, weights, router_probs=None, phase: str | None = None):
-        """Record ``n`` consecutive tokens at one layer: expert_ids and weights [n, k], router_probs [n, E]."""
+        """Record ``n`` consecutive tokens at one layer: expert_ids and weights [n, k], router_probs [n, E].
+
+        The arrays (numpy, or CPU torch tensors) are kept as handed over and converted in
+        ``build``, so recording costs about a microsecond; do not modify them afterwards.
+        """
         if not self._prompts:
             raise ValueError("begin_prompt() must be called before append()")
-        if layer not in self._column:
+        column = self._column.get(layer)
+        if column is None:
             raise ValueError(f"layer {layer} is not one of the traced layers {self.layers}")
+        if phase is not None and phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+        self._prompts[-1][1].append((column, token_idx, expert_ids, weights, router_probs, phase))
+
+    def _converted(self, chunk) -> tuple:
+        column, token_idx, expert_ids, weights, router_probs, phase = chunk
         ids = np.asarray(expert_ids, dtype=np.int16).reshape(-1, self.k)  # [n, k]
         w = np.asarray(weights, dtype=np.float32).reshape(ids.shape)  # [n, k]
         probs = None if router_probs is None else np.asarray(router_probs, dtype=np.float16).reshape(len(ids), -1)
-        phase_code = None if phase is None else PHASES.index(phase)
-        self._prompts[-1][1].append((self._column[layer], int(token_idx), ids, w, probs, phase_code))
+        return column, int(token_idx), ids, w, probs, None if phase is None else PHASES.index(phase)
 
     def build(self) -> RoutingTrace:
-        lengths = [max((t + len(ids) for _, t, ids, *_ in chunks), default=0) for _, chunks in self._prompts]
+        prompts = [[self._converted(chunk) for chunk in chunks] for _, chunks in self._prompts]
+        lengths = [max((t + len(ids) for _, t, ids, *_ in chunks), default=0) for chunks in prompts]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         T, L, k, E = int(offsets[-1]), len(self.layers), self.k, self.n_experts
-        chunks = [(offsets[p] + t, c, ids, w, pr, ph) for p, (_, cs) in enumerate(self._prompts) for c, t, ids, w, pr, ph in cs]
+        chunks = [(offsets[p] + t, c, ids, w, pr, ph) for p, cs in enumerate(prompts) for c, t, ids, w, pr, ph in cs]
         expert_ids = np.full((T, L, k), NO_EXPERT, dtype=np.int16)
         weights = np.full((T, L, k), np.nan, dtype=np.float32)
         has_probs = any(pr is not None for *_, pr, _ in chunks)
