@@ -43,8 +43,9 @@ def policy_factory(spec: str, trace: RoutingTrace) -> PolicyFactory:
     if name in ("pinned", "learned") and arg:
         profile = Profile.load(arg)
         if profile.layers != trace.layers.tolist() or profile.n_experts != trace.n_experts:
-            raise MoeswapError(f"{arg}: profile is for layers {profile.layers} with {profile.n_experts} experts, "
-                               f"the trace has {trace.layers.tolist()} with {trace.n_experts}; profile a trace of this model")
+            raise MoeswapError(f"{arg}: profile is for layers {profile.layers} with {profile.n_experts} "
+                               f"experts, the trace has {trace.layers.tolist()} with {trace.n_experts}; "
+                               "profile a trace of this model")
         if name == "learned":
             return lambda ctx: p.LearnedReuse(ctx.capacity, profile.reuse, ctx.k, ctx.layer_of)
         return lambda ctx: _pinned(profile, ctx)

@@ -93,7 +93,8 @@ class Profile:
                 source=doc.get("source", ""),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise MoeswapError(f"{path}: damaged profile (missing or bad {e}); make it again with `moeswap profile`") from None
+            raise MoeswapError(f"{path}: damaged profile (missing or bad {e}); "
+                               "make it again with `moeswap profile`") from None
 
 
 def hot_set(counts: np.ndarray, budget: int, per_layer: bool) -> list[tuple[int, int]]:
