@@ -167,8 +167,10 @@ def test_unaligned_bytes_are_copied_not_rejected(kernels):
 
 def test_bad_weights_and_inputs_raise_instead_of_aborting(kernels):
     raw = stored_bytes(np.zeros((4, 64), dtype=np.float32), Q.Q8_0)
-    with pytest.raises(MoeswapError, match="IQ2_XXS has no CPU kernel"):
-        kernels.matrix(raw, Q.IQ2_XXS, (64, 4))
+    with pytest.raises(MoeswapError, match="^blk.3.ffn_up.weight: weight type IQ2_XXS has no "):
+        kernels.matrix(raw, Q.IQ2_XXS, (64, 4), name="blk.3.ffn_up.weight")
+    with pytest.raises(MoeswapError, match="weight type 99 has no CPU kernel"):
+        kernels.matrix(raw, 99, (64, 4))
     with pytest.raises(MoeswapError, match="takes 272 bytes, got 204"):
         kernels.matrix(raw.reshape(-1)[:204], Q.Q8_0, (64, 4))
     with pytest.raises(MoeswapError, match="divisible by 32"):

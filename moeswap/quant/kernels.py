@@ -65,7 +65,8 @@ class CpuKernels:
             raise ValueError(f"n_threads must be >= 1, got {self.n_threads}")
         self._backend = ggml.ggml_backend_cpu_init()
         ggml.ggml_backend_cpu_set_n_threads(self._backend, self.n_threads)
-        # Without a pool of its own, ggml would start and join threads on every call.
+        # Without a pool of its own, a ggml built without OpenMP starts and joins threads on
+        # every call (with OpenMP the pool only carries the thread count).
         params = ctypes.create_string_buffer(THREADPOOL_PARAMS_BYTES)
         ggml.ggml_threadpool_params_init(params, self.n_threads)
         self._threadpool = ggml.ggml_threadpool_new(params)
@@ -80,13 +81,18 @@ class CpuKernels:
         weakref.finalize(self, _free_runtime, ggml, self._backend, self._threadpool,
                          self._scratch_buffer)
 
-    def matrix(self, raw, ggml_type: int, ne: tuple[int, int]) -> QuantMatrix:
-        """Bind one matrix of GGUF shape ``ne = (in, out)`` stored in ``raw`` (not copied)."""
-        return QuantMatrix(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 2))
+    def matrix(self, raw, ggml_type: int, ne: tuple[int, int], name: str = "weight"
+               ) -> QuantMatrix:
+        """Bind one matrix of GGUF shape ``ne = (in, out)`` stored in ``raw`` (not copied).
 
-    def experts(self, raw, ggml_type: int, ne: tuple[int, int, int]) -> QuantExperts:
+        ``name`` (the tensor's, e.g. ``blk.0.ffn_down.weight``) labels error messages.
+        """
+        return QuantMatrix(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 2, name))
+
+    def experts(self, raw, ggml_type: int, ne: tuple[int, int, int], name: str = "weight"
+                ) -> QuantExperts:
         """Bind an expert stack of GGUF shape ``ne = (in, out, E)`` stored in ``raw``."""
-        return QuantExperts(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 3))
+        return QuantExperts(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 3, name))
 
     def scratch_tensor(self, context: int, ggml_type: int, ne: tuple[int, ...],
                        offset: int) -> int:
@@ -125,23 +131,26 @@ class _Weight:
     keep_alive: object  # the array whose memory the tensor points into
 
 
-def _bind_weight(ggml: GGML, raw, ggml_type: int, ne: tuple[int, ...], dims: int) -> _Weight:
-    ggml_type = GGMLQuantizationType(ggml_type)
-    if ggml_type not in SUPPORTED_TYPES:
+def _bind_weight(ggml: GGML, raw, ggml_type: int, ne: tuple[int, ...], dims: int,
+                 name: str) -> _Weight:
+    known = {int(t) for t in GGMLQuantizationType}
+    type_name = GGMLQuantizationType(ggml_type).name if ggml_type in known else str(ggml_type)
+    if ggml_type not in known or GGMLQuantizationType(ggml_type) not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-        raise MoeswapError(f"weight type {ggml_type.name} has no CPU kernel here; "
+        raise MoeswapError(f"{name}: weight type {type_name} has no CPU kernel here; "
                            f"supported: {supported} (requantize the file, e.g. to Q8_0)")
+    ggml_type = GGMLQuantizationType(ggml_type)
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if len(ne) != dims or ne[0] % block_size:
-        raise MoeswapError(f"a {ggml_type.name} weight of shape {list(ne)} cannot be multiplied: "
-                           f"need {dims} dimensions and a first dimension divisible by "
-                           f"{block_size}")
+        raise MoeswapError(f"{name}: a {type_name} weight of shape {list(ne)} cannot be "
+                           f"multiplied: need {dims} dimensions and a first dimension divisible "
+                           f"by {block_size}")
     data = np.frombuffer(raw, dtype=np.uint8) if not isinstance(raw, np.ndarray) else raw
     data = data.reshape(-1).view(np.uint8)
     expected = ne[0] // block_size * type_size * int(np.prod(ne[1:]))
     if data.nbytes != expected:
-        raise MoeswapError(f"a {ggml_type.name} weight of shape {list(ne)} takes {expected} bytes, "
-                           f"got {data.nbytes}: the tensor's offset or shape is wrong")
+        raise MoeswapError(f"{name}: a {type_name} weight of shape {list(ne)} takes {expected} "
+                           f"bytes, got {data.nbytes}: the tensor's offset or shape is wrong")
     if data.ctypes.data % _TENSOR_ALIGNMENT:
         data = _aligned_copy(data)  # GGUF data is 32-byte aligned; only odd buffers land here
     context = ggml.ggml_init(InitParams(ggml.ggml_tensor_overhead(), None, True))
