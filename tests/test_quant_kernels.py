@@ -19,6 +19,7 @@ pytestmark = pytest.mark.llama_cpp
 
 from moeswap.errors import MoeswapError  # noqa: E402
 from moeswap.formats.gguf_file import GGUFFile  # noqa: E402
+from moeswap.quant.ggml_lib import GGML  # noqa: E402
 from moeswap.quant import SUPPORTED_TYPES, CpuKernels, quantize_rows  # noqa: E402
 from moeswap.quant.reference import reference_experts, reference_matmul  # noqa: E402
 
@@ -183,6 +184,11 @@ def test_bad_weights_and_inputs_raise_instead_of_aborting(kernels):
         experts.matmul(torch.zeros(1, 64), torch.tensor([[2]]))
     with pytest.raises(ValueError, match=r"x must be \[1, in\] or \[1, 2, in\]"):
         experts.matmul(torch.zeros(2, 64), torch.tensor([[0, 1]]))
+
+
+def test_a_llama_cpp_python_without_ggml_libraries_is_named_with_the_fix(tmp_path):
+    with pytest.raises(MoeswapError, match=r"libggml-base.*missing.*pip install --force-reinstall"):
+        GGML(tmp_path)
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux's /proc maps")

@@ -30,8 +30,6 @@ _BOOL = ctypes.c_bool
 # today), filled by ggml_threadpool_params_init and only passed back by pointer.
 THREADPOOL_PARAMS_BYTES = 4096
 
-INSTALL_HINT = "install it with `pip install llama-cpp-python` (it builds ggml for this CPU)"
-
 
 class InitParams(ctypes.Structure):
     """struct ggml_init_params."""
@@ -39,34 +37,33 @@ class InitParams(ctypes.Structure):
     _fields_ = [("mem_size", _SIZE), ("mem_buffer", _VOID_P), ("no_alloc", _BOOL)]
 
 
-# name -> (library, return type, argument types)
+# name -> (return type, argument types); looked up in libggml-base, then libggml-cpu, since
+# functions have moved between the two across ggml versions.
 _SIGNATURES = {
-    "ggml_init": ("base", _VOID_P, [InitParams]),
-    "ggml_free": ("base", None, [_VOID_P]),
-    "ggml_tensor_overhead": ("base", _SIZE, []),
-    "ggml_graph_overhead_custom": ("base", _SIZE, [_SIZE, _BOOL]),
-    "ggml_new_tensor_2d": ("base", _VOID_P, [_VOID_P, _INT, _I64, _I64]),
-    "ggml_new_tensor_3d": ("base", _VOID_P, [_VOID_P, _INT, _I64, _I64, _I64]),
-    "ggml_mul_mat": ("base", _VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
-    "ggml_mul_mat_id": ("base", _VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P]),
-    "ggml_new_graph_custom": ("base", _VOID_P, [_VOID_P, _SIZE, _BOOL]),
-    "ggml_build_forward_expand": ("base", None, [_VOID_P, _VOID_P]),
-    "ggml_nbytes": ("base", _SIZE, [_VOID_P]),
-    "ggml_row_size": ("base", _SIZE, [_INT, _I64]),
-    "ggml_quantize_chunk": ("base", _SIZE, [_INT, _VOID_P, _VOID_P, _I64, _I64, _I64, _VOID_P]),
-    "ggml_quantize_requires_imatrix": ("base", _BOOL, [_INT]),
-    "ggml_version": ("base", ctypes.c_char_p, []),
-    "ggml_backend_cpu_buffer_from_ptr": ("base", _VOID_P, [_VOID_P, _SIZE]),
-    "ggml_backend_tensor_alloc": ("base", _INT, [_VOID_P, _VOID_P, _VOID_P]),
-    "ggml_backend_buffer_free": ("base", None, [_VOID_P]),
-    "ggml_backend_graph_compute": ("base", _INT, [_VOID_P, _VOID_P]),
-    "ggml_backend_free": ("base", None, [_VOID_P]),
-    "ggml_threadpool_params_init": ("base", None, [_VOID_P, _INT]),
-    "ggml_backend_cpu_init": ("cpu", _VOID_P, []),
-    "ggml_backend_cpu_set_n_threads": ("cpu", None, [_VOID_P, _INT]),
-    "ggml_backend_cpu_set_threadpool": ("cpu", None, [_VOID_P, _VOID_P]),
-    "ggml_threadpool_new": ("cpu", _VOID_P, [_VOID_P]),
-    "ggml_threadpool_free": ("cpu", None, [_VOID_P]),
+    "ggml_init": (_VOID_P, [InitParams]),
+    "ggml_free": (None, [_VOID_P]),
+    "ggml_tensor_overhead": (_SIZE, []),
+    "ggml_graph_overhead_custom": (_SIZE, [_SIZE, _BOOL]),
+    "ggml_new_tensor_2d": (_VOID_P, [_VOID_P, _INT, _I64, _I64]),
+    "ggml_new_tensor_3d": (_VOID_P, [_VOID_P, _INT, _I64, _I64, _I64]),
+    "ggml_mul_mat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
+    "ggml_mul_mat_id": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P]),
+    "ggml_new_graph_custom": (_VOID_P, [_VOID_P, _SIZE, _BOOL]),
+    "ggml_build_forward_expand": (None, [_VOID_P, _VOID_P]),
+    "ggml_nbytes": (_SIZE, [_VOID_P]),
+    "ggml_quantize_chunk": (_SIZE, [_INT, _VOID_P, _VOID_P, _I64, _I64, _I64, _VOID_P]),
+    "ggml_quantize_requires_imatrix": (_BOOL, [_INT]),
+    "ggml_backend_cpu_buffer_from_ptr": (_VOID_P, [_VOID_P, _SIZE]),
+    "ggml_backend_tensor_alloc": (_INT, [_VOID_P, _VOID_P, _VOID_P]),
+    "ggml_backend_buffer_free": (None, [_VOID_P]),
+    "ggml_backend_graph_compute": (_INT, [_VOID_P, _VOID_P]),
+    "ggml_backend_free": (None, [_VOID_P]),
+    "ggml_threadpool_params_init": (None, [_VOID_P, _INT]),
+    "ggml_backend_cpu_init": (_VOID_P, []),
+    "ggml_backend_cpu_set_n_threads": (None, [_VOID_P, _INT]),
+    "ggml_backend_cpu_set_threadpool": (None, [_VOID_P, _VOID_P]),
+    "ggml_threadpool_new": (_VOID_P, [_VOID_P]),
+    "ggml_threadpool_free": (None, [_VOID_P]),
 }
 
 
@@ -74,20 +71,22 @@ class GGML:
     """The loaded libraries, with every function in ``_SIGNATURES`` as an attribute."""
 
     def __init__(self, lib_dir: Path):
-        libraries = {}
-        for key, stem in (("base", "libggml-base"), ("cpu", "libggml-cpu")):
-            path = _library_file(lib_dir, stem)
-            libraries[key] = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        libraries = [ctypes.CDLL(str(_library_file(lib_dir, stem)), mode=ctypes.RTLD_GLOBAL)
+                     for stem in ("libggml-base", "libggml-cpu")]
         self.lib_dir = lib_dir
-        for name, (library, restype, argtypes) in _SIGNATURES.items():
-            function = getattr(libraries[library], name, None)
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            function = next((getattr(library, name) for library in libraries
+                             if hasattr(library, name)), None)
             if function is None:
                 raise MoeswapError(f"{lib_dir}: this llama-cpp-python's ggml lacks {name}; "
                                    f"upgrade it with `pip install -U llama-cpp-python`")
             function.restype = restype
             function.argtypes = argtypes
             setattr(self, name, function)
-        self.version = self.ggml_version().decode()
+        version = getattr(libraries[0], "ggml_version", None)  # absent from older ggml
+        if version is not None:
+            version.restype = ctypes.c_char_p
+        self.version = version().decode() if version is not None else "unknown"
 
 
 def _library_file(lib_dir: Path, stem: str) -> Path:
@@ -112,5 +111,6 @@ def load_ggml() -> GGML:
     """Load ggml once per process (the dynamic loader keeps a single copy anyway)."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or spec.origin is None:
-        raise MoeswapError(f"quantized CPU kernels need llama-cpp-python; {INSTALL_HINT}")
+        raise MoeswapError("quantized CPU kernels need llama-cpp-python; install it with "
+                           "`pip install llama-cpp-python` (it builds ggml for this CPU)")
     return GGML(Path(spec.origin).parent / "lib")
