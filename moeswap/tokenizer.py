@@ -18,6 +18,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import tokenizers
 from tokenizers import decoders, normalizers, processors
@@ -96,16 +97,19 @@ class Tokenizer:
     def decode(self, ids: list[int], *, skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def stream(self) -> "TextStream":
-        return TextStream(self)
+    def stream(self, prompt_ids: Sequence[int] = ()) -> "TextStream":
+        return TextStream(self, prompt_ids)
 
 
 class TextStream:
-    """Turns generated ids into text pieces as soon as they form whole characters."""
+    """Turns generated ids into text pieces as soon as they form whole characters.
 
-    def __init__(self, tokenizer: Tokenizer):
+    Primed with the prompt's ids, so a generated token's leading space is kept where
+    decoding it alone would strip it (SentencePiece vocabularies with a prefix space)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
-        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+        self._stream = decoders.DecodeStream(ids=list(prompt_ids) or None, skip_special_tokens=True)
 
     def push(self, token_id: int) -> str:
         return self._stream.step(self._tokenizer.backend, token_id) or ""

@@ -227,6 +227,22 @@ def test_text_stream_waits_for_whole_characters(tmp_path, cache_dir):
     assert "" in pieces  # the first byte of é alone yields nothing
 
 
+def test_text_stream_primed_with_the_prompt_keeps_leading_spaces(tmp_path, cache_dir):
+    tokens, scores, types = random_spm_vocab(random.Random(8), "▁ab", 6)
+    path = write_vocab_gguf(tmp_path / "v.gguf", tokens, scores, types)  # with prefix space
+    tok = load_tokenizer(path, cache_dir=cache_dir)
+    full = tok.encode("ab ba b", add_special=False)
+    text = tok.decode(full)
+    unprimed_differs = False
+    for k in range(1, len(full)):
+        primed = tok.stream(full[:k])
+        streamed = "".join(primed.push(i) for i in full[k:])
+        assert streamed == text[len(tok.decode(full[:k])):], k
+        unprimed = tok.stream()
+        unprimed_differs |= "".join(unprimed.push(i) for i in full[k:]) != streamed
+    assert unprimed_differs  # decoding alone strips the space: priming matters
+
+
 @pytest.mark.llama_cpp
 def test_random_texts_match_llama_cpp(tmp_path, cache_dir):
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")

@@ -47,10 +47,11 @@ def run_generate(args) -> int:
                   f"{loaded.elapsed:.1f} s", markup=False)
 
     stats = GenerationStats()
-    text = runtime.tokenizer.stream()
+    prompt_ids = runtime.encode(args.prompt)
+    text = runtime.tokenizer.stream(prompt_ids)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    for token in runtime.generate(args.prompt, args.n_predict, stats=stats,
+    for token in runtime.generate(prompt_ids, args.n_predict, stats=stats,
                                   temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                                   min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                                   seed=args.seed):
