@@ -198,6 +198,8 @@ def test_bad_weights_and_inputs_raise_instead_of_aborting(kernels):
     experts = kernels.experts(np.concatenate([raw, raw]), Q.Q8_0, (64, 4, 2))
     with pytest.raises(ValueError, match=r"expert ids must lie in \[0, 2\)"):
         experts.matmul(torch.zeros(1, 64), torch.tensor([[2]]))
+    with pytest.raises(ValueError, match=r"got -1\.\.1"):
+        experts.matmul(torch.zeros(1, 64), torch.tensor([[-1, 1]]))
     with pytest.raises(ValueError, match=r"x must be \[1, in\] or \[1, 2, in\]"):
         experts.matmul(torch.zeros(2, 64), torch.tensor([[0, 1]]))
 

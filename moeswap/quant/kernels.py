@@ -175,12 +175,15 @@ class QuantMatrix:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] float32 (T: tokens)."""
         x = _float_rows(x, self.in_features)
-        y = torch.empty(x.shape[0], self.out_features)  # [T, out]
-        for start in range(0, x.shape[0], MAX_TOKENS_PER_CALL):
-            piece = x[start:start + MAX_TOKENS_PER_CALL]  # [t, in]
-            graph = self._graph(piece.shape[0])
-            self.kernels.run(graph, [(_INPUT_OFFSET, piece.data_ptr(), piece.nbytes)],
-                             (y[start:].data_ptr(), piece.shape[0] * self.out_features * 4))
+        n_tokens, in_bytes, out_bytes = x.shape[0], self.in_features * 4, self.out_features * 4
+        y = torch.empty(n_tokens, self.out_features)  # [T, out]
+        x_address, y_address = x.data_ptr(), y.data_ptr()
+        # Addresses rather than tensor slices: this loop is the per-call overhead.
+        for start in range(0, n_tokens, MAX_TOKENS_PER_CALL):
+            count = min(MAX_TOKENS_PER_CALL, n_tokens - start)
+            self.kernels.run(self._graph(count),
+                             [(_INPUT_OFFSET, x_address + start * in_bytes, count * in_bytes)],
+                             (y_address + start * out_bytes, count * out_bytes))
         return y
 
     def _graph(self, n_tokens: int) -> int:
@@ -213,24 +216,24 @@ class QuantExperts:
         if x.dim() not in (2, 3) or x.shape[0] != n_tokens or per_token not in (1, n_picked):
             raise ValueError(f"x must be [{n_tokens}, in] or [{n_tokens}, {n_picked}, in], "
                              f"got {tuple(x.shape)}")
-        rows = x.reshape(n_tokens * per_token, x.shape[-1])  # [T*S, in]
-        rows = _float_rows(rows, self.in_features)
+        rows = _float_rows(x.reshape(n_tokens * per_token, x.shape[-1]), self.in_features)
         picks = ids.to("cpu", torch.int32).contiguous()  # [T, K]
-        picks_np = picks.numpy()
-        if picks_np.size and (picks_np.min() < 0 or picks_np.max() >= self.n_experts):
-            raise ValueError(f"expert ids must lie in [0, {self.n_experts}), "
-                             f"got {picks_np.min()}..{picks_np.max()}")
+        # As unsigned, negative ids become huge: one reduction checks both ends.
+        if picks.numel() and int(picks.numpy().view(np.uint32).max()) >= self.n_experts:
+            raise ValueError(f"expert ids must lie in [0, {self.n_experts}), got "
+                             f"{int(picks.min())}..{int(picks.max())}")
         y = torch.empty(n_tokens, n_picked, self.out_features)  # [T, K, out]
+        # Bytes per token of: input rows (S of them), ids (K), outputs (K rows).
+        in_bytes, ids_bytes = per_token * self.in_features * 4, n_picked * 4
+        out_bytes = n_picked * self.out_features * 4
+        x_address, ids_address, y_address = rows.data_ptr(), picks.data_ptr(), y.data_ptr()
         for start in range(0, n_tokens, MAX_TOKENS_PER_CALL):
-            stop = min(start + MAX_TOKENS_PER_CALL, n_tokens)
-            piece = rows[start * per_token:stop * per_token]  # [t*S, in]
-            piece_ids = picks[start:stop]  # [t, K]
-            graph = self._graph(stop - start, n_picked, per_token)
+            count = min(MAX_TOKENS_PER_CALL, n_tokens - start)
             self.kernels.run(
-                graph,
-                [(_INPUT_OFFSET, piece.data_ptr(), piece.nbytes),
-                 (_IDS_OFFSET, piece_ids.data_ptr(), piece_ids.nbytes)],
-                (y[start:].data_ptr(), (stop - start) * n_picked * self.out_features * 4))
+                self._graph(count, n_picked, per_token),
+                [(_INPUT_OFFSET, x_address + start * in_bytes, count * in_bytes),
+                 (_IDS_OFFSET, ids_address + start * ids_bytes, count * ids_bytes)],
+                (y_address + start * out_bytes, count * out_bytes))
         return y
 
     def _graph(self, n_tokens: int, n_picked: int, per_token: int) -> int:
