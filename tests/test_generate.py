@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -113,3 +115,69 @@ def test_seeded_sampling_in_a_batch_equals_single_runs():
         assert batch[index] == list(generate(SumModel(), prompt, max_tokens=12, sampler=Sampler(p)))
     # temperature 1 over logits 10 and 9: both peaks get drawn at some point
     assert any(t != g for t, g in zip(batch[0], expected_greedy(prompts[0], 12)))
+
+
+# --- through moeswap.load and the real engine, on a tiny Mixtral-layout GGUF -----------------
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from gguf_builders import mixtral
+
+    return mixtral().write(tmp_path_factory.mktemp("tiny") / "mixtral.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_runtime(tiny_gguf):
+    import moeswap
+
+    return moeswap.load(tiny_gguf, tokenizer_cache_dir=tiny_gguf.parent / "cache")
+
+
+def test_runtime_greedy_tokens_are_the_teacher_forced_argmax(tiny_runtime):
+    prompt = tiny_runtime.encode("abcab")
+    assert prompt[0] == tiny_runtime.tokenizer.bos_id
+    tokens = list(tiny_runtime.generate(prompt, 8, temperature=0.0, stop_ids=frozenset()))
+    logits = tiny_runtime.forward_logits(prompt + tokens)  # [T, V]
+    assert logits.dtype == torch.float32 and logits.shape == (len(prompt) + 8, 32)
+    steps = logits[len(prompt) - 1: -1]
+    top2 = torch.topk(steps, 2).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4  # no near-ties: equality below is meaningful
+    assert steps.argmax(-1).tolist() == tokens
+
+
+def test_runtime_batch_equals_single_runs(tiny_runtime):
+    prompts = [tiny_runtime.encode(text) for text in ("a", "bcdefg", "ccc")]
+    model = tiny_runtime.model
+    batch: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for step in generate_batch(model, prompts, max_tokens=5):
+        for index, token in step:
+            batch[index].append(token)
+    for index, prompt in enumerate(prompts):
+        assert batch[index] == list(generate(model, prompt, max_tokens=5)), index
+
+
+def test_runtime_rejects_unknown_sampling_options_and_missing_template(tiny_runtime):
+    with pytest.raises(MoeswapError, match="unknown sampling option"):
+        tiny_runtime.generate("a", 2, temprature=0.5)
+    with pytest.raises(MoeswapError, match="no chat template"):
+        tiny_runtime.chat_prompt_ids([{"role": "user", "content": "hi"}])
+
+
+def test_load_of_a_missing_file_names_it(tmp_path):
+    import moeswap
+
+    with pytest.raises(MoeswapError, match="nothing.gguf: no such file"):
+        moeswap.load(tmp_path / "nothing.gguf")
+
+
+def test_run_command_streams_and_reports(tiny_gguf, tiny_runtime, capsys):
+    from moeswap.cli import main
+
+    expected = list(tiny_runtime.generate("abc", 4, temperature=0.0))
+    assert main(["run", str(tiny_gguf), "-p", "abc", "-n", "4", "--temp", "0", "--verbose"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "abc" + tiny_runtime.tokenizer.decode(expected) + "\n"
+    # --verbose: one line per tensor with name, shape, type and where it lives
+    assert re.search(r"^blk\.1\.ffn_down_exps\.weight  \d+x\d+x\d+  F32  \S", err, re.M), err
+    assert "prompt: 4 tokens" in err and f"decode: {len(expected)} tokens" in err
+    assert "peak RSS" in err
