@@ -4,6 +4,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test || exit 1
 . .venv/bin/activate
+# llama.cpp's own convert_hf_to_gguf.py is the reference for `moeswap convert`; it ships in the
+# llama-cpp-python sdist. Fetch it once into a cache outside the repo (never committed).
+reference=${XDG_CACHE_HOME:-$HOME/.cache}/moeswap/llama-cpp-python-0.3.36
+if [ ! -f "$reference/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+    tmp=$(mktemp -d)
+    if python -m pip download -q --no-binary :all: --no-deps llama-cpp-python==0.3.36 -d "$tmp"; then
+        mkdir -p "$reference" && tar -xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$reference" --strip-components=1
+    fi
+    rm -rf "$tmp"
+fi
+export MOESWAP_LLAMA_CPP_CONVERT="$reference/vendor/llama.cpp/convert_hf_to_gguf.py"
 python -m pytest -q "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
