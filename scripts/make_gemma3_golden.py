@@ -93,8 +93,8 @@ def markdown(golden: dict, path: Path) -> str:
     import moeswap
 
     runtime = moeswap.load(path)
-    lines = ["| prompt | llama.cpp greedy (32 tokens) | moeswap greedy (32 tokens) | same tokens |",
-             "|---|---|---|---|"]
+    lines = ["| prompt | llama.cpp greedy (32 tokens) | moeswap greedy (32 tokens) | same tokens "
+             "| llama.cpp's top1-top2 margin where they part |", "|---|---|---|---|---|"]
     for name, case in golden["prompts"].items():
         ours = list(runtime.generate(case["prompt_ids"], N_CONTINUATION, temperature=0.0,
                                      stop_ids=frozenset()))
@@ -102,7 +102,8 @@ def markdown(golden: dict, path: Path) -> str:
         same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))
         cell = lambda s: s.replace("|", "\\|").replace("\n", "\\n")  # noqa: E731
         lines.append(f"| {name}: `{cell(case['prompt'])}` | {cell(case['continuation_text'])} | "
-                     f"{cell(runtime.tokenizer.decode(ours))} | first {same} of 32 |")
+                     f"{cell(runtime.tokenizer.decode(ours))} | first {same} of 32 | "
+                     f"{case['margins'][same] if same < len(theirs) else '-'} |")
     return "\n".join(lines)
 
 
