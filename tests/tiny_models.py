@@ -3,7 +3,9 @@
 Shapes are chosen to exercise what each family does differently: GQA everywhere (except
 OLMoE, whose llama.cpp loader wants a k-norm as wide as n_embd), Qwen2-MoE's gated shared
 expert, Qwen3-MoE's explicit head size and per-head q/k norms, Granite's multipliers and
-shared expert, Gemma 3's five local + one global layers with a 4-token window.
+shared expert, Gemma 3's five local + one global layers with a 4-token window, DeepSeek-V2's
+MLA with query compression, a leading dense layer, 2 shared experts and a routed scaling factor,
+GPT-OSS's sinks, biases everywhere and alternating 4-token-window / global layers.
 """
 
 from __future__ import annotations
@@ -49,10 +51,21 @@ def _configs():
                                                             "rope_theta": 1000000.0},
                                          "sliding_attention": {"rope_type": "default",
                                                                "rope_theta": 10000.0}})),
+        "deepseek2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
+                      dict(COMMON, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96,
+                           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+                           n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=48,
+                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                           routed_scaling_factor=2.5, topk_method="greedy")),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
+                    dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
+                         num_local_experts=4, sliding_window=4,
+                         rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **moe)),
     }
 
 
-FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3")
+FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3",
+            "deepseek2", "gpt_oss")
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -67,6 +80,15 @@ def build(family: str, seed: int = 0, **overrides):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
+    if family == "gpt_oss":
+        # Expert biases start at zero and sinks near it; make both matter. Larger expert
+        # inputs make the SwiGLU clamps (|x| > 7) bite on some elements.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("_bias", "sinks", "router.bias")):
+                    p.normal_(0.0, 1.0)
+                elif name.endswith("gate_up_proj"):
+                    p.normal_(0.0, 0.5)
     return model
 
 

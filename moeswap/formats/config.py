@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,6 +25,8 @@ class ArchTraits:
     rope_neox: bool  # rotate (x[i], x[i + d/2]) pairs; otherwise adjacent pairs, as llama.cpp's NORM
     expert_weights_norm: bool  # llama.cpp's default renormalisation of the top-k weights
     swa_pattern: int = 0  # default sliding-window pattern: every n-th layer is global (0: none)
+    expert_act: str = "silu"  # routed experts' gated activation: silu | swiglu_oai (GPT-OSS)
+    gating: str = "softmax"  # softmax over all experts, or softmax_topk: top-k logits, then softmax
 
 
 # llama.cpp's per-architecture constants (llama-model.cpp / src/models/*.cpp).
@@ -35,6 +37,9 @@ ARCH_TRAITS = {
     "olmoe": ArchTraits(rope_neox=True, expert_weights_norm=False),
     "granitemoe": ArchTraits(rope_neox=False, expert_weights_norm=True),
     "gemma3": ArchTraits(rope_neox=True, expert_weights_norm=False, swa_pattern=6),
+    "deepseek2": ArchTraits(rope_neox=False, expert_weights_norm=False),
+    "gpt-oss": ArchTraits(rope_neox=True, expert_weights_norm=False, swa_pattern=2,
+                          expert_act="swiglu_oai", gating="softmax_topk"),
 }
 
 # HF ``architectures[0]`` -> GGUF ``general.architecture``.
@@ -49,6 +54,8 @@ HF_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "granitemoe",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "DeepseekV2ForCausalLM": "deepseek2",
+    "GptOssForCausalLM": "gpt-oss",
 }
 
 
@@ -83,7 +90,15 @@ class ModelConfig:
     final_logit_softcap: float = 0.0
     attn_logit_softcap: float = 0.0
     tied_embeddings: bool = False
+    n_layer_dense_lead: int = 0  # leading layers with a dense FFN instead of the MoE block
+    n_expert_shared: int = 0  # DeepSeek: shared experts, fused into one FFN n_ff_shexp wide
+    q_lora_rank: int = 0  # MLA: query down-projection rank (0: plain attn_q)
+    kv_lora_rank: int = 0  # MLA: width of the cached latent; 0 means no MLA
+    head_dim_k_mla: int = 0  # MLA: per-head query/key size after decompression (nope + rope)
+    head_dim_v_mla: int = 0  # MLA: per-head value size after decompression
     rope_neox: bool = field(init=False)
+    expert_act: str = field(init=False)
+    gating: str = field(init=False)
 
     def __post_init__(self) -> None:
         traits = ARCH_TRAITS.get(self.arch)
@@ -91,12 +106,15 @@ class ModelConfig:
             raise MoeswapError(f"architecture '{self.arch}' is not supported "
                                f"(supported: {', '.join(ARCH_TRAITS)})")
         self.rope_neox = traits.rope_neox
+        self.expert_act, self.gating = traits.expert_act, traits.gating
         if self.expert_weights_norm is None:
             self.expert_weights_norm = traits.expert_weights_norm
         if self.head_dim == 0:
             self.head_dim = self.n_embd // self.n_head
         if self.n_rot == 0:
             self.n_rot = self.head_dim
+        if self.n_expert_shared and not self.n_ff_shexp:
+            self.n_ff_shexp = self.n_ff_exp * self.n_expert_shared
         if self.attention_scale == 0.0:
             self.attention_scale = 1.0 / math.sqrt(self.head_dim)
         if self.sliding_window and not self.swa_layers:
@@ -111,6 +129,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Layers whose FFN is the MoE block (DeepSeek's leading layers stay dense)."""
+        return list(range(self.n_layer_dense_lead, self.n_layer)) if self.is_moe else []
 
 
 def config_from_gguf(gguf_file: Any) -> ModelConfig:
@@ -157,6 +180,11 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
     head_dim = int(key("attention.key_length", 0))
     embedding_scale = float(key("embedding_scale", 0.0) or 1.0)
     attention_scale = float(key("attention.scale", 0.0))
+    if arch == "deepseek2":
+        _check_deepseek2_gguf(gguf_file.path, key)
+        # MLA runs as MQA over the latent: key_length is the cached width, the scale uses
+        # the decompressed per-head key size.
+        attention_scale = 1.0 / math.sqrt(int(required("attention.key_length_mla")))
     if arch == "gemma3":
         # Hard-coded in llama.cpp's gemma3 graph: embeddings times sqrt(n_embd), and the
         # 27B model (62 layers) scales queries by n_embd / n_head instead of the head size.
@@ -194,7 +222,28 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         final_logit_softcap=float(key("final_logit_softcapping", 0.0)),
         attn_logit_softcap=float(key("attn_logit_softcapping", 0.0)),
         tied_embeddings=gguf_file.tensor("output.weight") is None,
+        n_layer_dense_lead=int(key("leading_dense_block_count", 0)),
+        n_expert_shared=int(key("expert_shared_count", 0)),
+        q_lora_rank=int(key("attention.q_lora_rank", 0)),
+        kv_lora_rank=int(key("attention.kv_lora_rank", 0)),
+        head_dim_k_mla=int(key("attention.key_length_mla", 0)),
+        head_dim_v_mla=int(key("attention.value_length_mla", 0)),
     )
+
+
+def _check_deepseek2_gguf(path: Any, key: Callable[..., Any]) -> None:
+    """The DeepSeek-V2 variants moeswap computes: softmax gating, no expert groups."""
+    gating = key("expert_gating_func", 1)
+    if gating not in (0, 1):  # 0: unset, llama.cpp's default for V2 is softmax
+        raise MoeswapError(f"{path}: expert_gating_func={gating} is not supported for deepseek2 "
+                           "(supported: 1, softmax, as in DeepSeek-V2 / V2-Lite)")
+    if int(key("expert_group_count", 0)) > 1:
+        raise MoeswapError(f"{path}: grouped expert selection (expert_group_count > 1) "
+                           "is not supported")
+    if not key("attention.key_length_mla"):
+        raise MoeswapError(f"{path}: key 'deepseek2.attention.key_length_mla' is missing; "
+                           "files with the old fused attn_kv_b tensor are not supported, "
+                           "reconvert with a current convert_hf_to_gguf.py")
 
 
 def _uniform(path: Any, name: str, value: Any) -> int:
@@ -262,11 +311,13 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     window = hf.get("sliding_window") or 0
     layer_types = hf.get("layer_types")
     swa_layers: tuple[bool, ...] = ()
-    if arch != "gemma3":
+    if arch not in ("gemma3", "gpt-oss"):
         window = window if hf.get("use_sliding_window") else 0
     elif layer_types:
         swa_layers = tuple(t == "sliding_attention" for t in layer_types)
-    n_expert = hf.get("num_local_experts") or hf.get("num_experts") or 0
+    n_expert = (hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
+                or 0)
+    n_dense_lead = (hf.get("first_k_dense_replace") or 0) if arch == "deepseek2" else 0
     if arch == "qwen2moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         raise MoeswapError(f"{folder}/config.json: Qwen2-MoE with dense layers "
                            "(mlp_only_layers / decoder_sparse_step) is not supported")
@@ -275,6 +326,11 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         raise MoeswapError(f"{folder}/config.json: Granite with head_dim is not supported "
                            "(llama.cpp ignores it too)")
     attention_scale = 0.0
+    mla: dict[str, Any] = {}
+    if arch == "deepseek2":
+        _check_deepseek2_hf(hf, folder)
+        mla = _mla_config(hf)
+        attention_scale = mla["head_dim_k_mla"] ** -0.5
     if arch == "granitemoe":
         attention_scale = hf.get("attention_multiplier") or 0.0
     elif arch == "gemma3":
@@ -285,11 +341,12 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         n_embd=hf["hidden_size"],
         n_layer=n_layer,
         n_head=hf["num_attention_heads"],
-        n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        n_head_kv=1 if mla else hf.get("num_key_value_heads") or hf["num_attention_heads"],
         n_ctx_train=hf.get("max_position_embeddings", 0),
         rms_eps=hf.get("rms_norm_eps", 1e-6),
-        n_ff=0 if n_expert else hf["intermediate_size"],
-        head_dim=(hf.get("head_dim") or 0) if arch != "granitemoe" else 0,
+        n_ff=0 if n_expert and not n_dense_lead else hf["intermediate_size"],
+        head_dim=(mla["kv_lora_rank"] + mla["n_rot"] if mla
+                  else (hf.get("head_dim") or 0) if arch != "granitemoe" else 0),
         rope_base=float(full.get("rope_theta", 10000.0)),
         rope_scale=_rope_factor(full, folder),
         rope_base_swa=float(_rope(hf, "sliding_attention").get("rope_theta", 10000.0)),
@@ -297,7 +354,11 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         n_expert_used=hf.get("num_experts_per_tok", 0) if n_expert else 0,
         n_ff_exp=n_ff_exp,
         n_ff_shexp=hf.get("shared_expert_intermediate_size") or hf.get("shared_intermediate_size") or 0,
-        expert_weights_norm=hf.get("norm_topk_prob") if arch in ("qwen2moe", "qwen3moe", "olmoe") else None,
+        expert_weights_norm=(hf.get("norm_topk_prob")
+                             if arch in ("qwen2moe", "qwen3moe", "olmoe", "deepseek2") else None),
+        expert_weights_scale=hf.get("routed_scaling_factor") or 1.0,
+        n_expert_shared=hf.get("n_shared_experts") or 0,
+        n_layer_dense_lead=n_dense_lead,
         sliding_window=window,
         swa_layers=swa_layers,
         attention_scale=attention_scale,
@@ -308,4 +369,23 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         final_logit_softcap=hf.get("final_logit_softcapping") or 0.0,
         attn_logit_softcap=hf.get("attn_logit_softcapping") or 0.0,
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **mla,
     )
+
+
+def _check_deepseek2_hf(hf: dict[str, Any], folder: Path) -> None:
+    if hf.get("topk_method", "greedy") != "greedy" and (hf.get("n_group") or 1) > 1:
+        raise MoeswapError(f"{folder}/config.json: topk_method '{hf['topk_method']}' with "
+                           f"n_group={hf['n_group']} is not supported (supported: greedy, as in "
+                           "DeepSeek-V2-Lite); llama.cpp's converter drops the groups, changing the routing")
+    if not hf.get("n_routed_experts"):
+        raise MoeswapError(f"{folder}/config.json: DeepSeek-V2 without routed experts "
+                           "is not supported")
+
+
+def _mla_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek MLA sizes: the cache holds one latent (kv_lora_rank + rope dims) per token."""
+    return dict(n_rot=hf["qk_rope_head_dim"],
+                q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                head_dim_k_mla=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+                head_dim_v_mla=hf["v_head_dim"])

@@ -9,6 +9,10 @@ the engine the same tensors. Besides renaming, a rule may say how the tensor cha
   stacked the HF tensor already stacks the experts [E, out, in]
   gate    take the first half of the rows (dim -2): JetMoE-style fused gate+up (Granite)
   up      take the second half of the rows
+  even    take the even (gate) / odd (up) columns (dim -1): GPT-OSS's interleaved gate_up
+  odd
+  t       transpose the last two dims (GPT-OSS stores experts [E, in, out])
+  kb / vb split MLA's kv_b_proj per head into k_b [H, kv_lora, nope] and v_b [H, v, kv_lora]
   q / k   llama.cpp's Q/K row permutation, for architectures whose GGUF RoPE is not NeoX
   norm    add 1 to an RMSNorm weight, for Gemma (its HF norm computes x * (1 + w))
   squeeze drop the size-1 dimension (Qwen2-MoE's shared-expert gate [1, n_embd])
@@ -23,6 +27,7 @@ from typing import Iterable
 import torch
 
 from moeswap.errors import MoeswapError
+from moeswap.formats.config import ModelConfig
 
 # Architectures whose converter permutes Q/K (llama.cpp ``LlamaModel.undo_permute``).
 PERMUTED_ARCHS = ("llama", "granitemoe")
@@ -30,6 +35,8 @@ PERMUTED_ARCHS = ("llama", "granitemoe")
 SHIFTED_NORM_ARCHS = ("gemma3",)
 
 _L = r"model\.layers\.(\d+)\."
+# Ops that cut one HF tensor into parts of several GGUF tensors.
+_FANOUT_OPS = frozenset({"gate", "up", "even", "odd", "kb", "vb"})
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ RULES = (
     NameRule(r"model\.norm\.weight", "output_norm.weight", "norm"),  # all
     NameRule(_L + r"input_layernorm\.weight", "blk.{layer}.attn_norm.weight", "norm"),  # all
     NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.post_attention_norm.weight",
-             "norm", ("gemma3",)),  # Gemma 3: sandwich norm after attention
+             "norm", ("gemma3", "gpt-oss")),  # Gemma 3: sandwich norm; GPT-OSS: the FFN's pre-norm
     NameRule(_L + r"pre_feedforward_layernorm\.weight", "blk.{layer}.ffn_norm.weight",
              "norm", ("gemma3",)),  # Gemma 3
     NameRule(_L + r"post_feedforward_layernorm\.weight", "blk.{layer}.post_ffw_norm.weight",
@@ -63,6 +70,14 @@ RULES = (
     NameRule(_L + r"self_attn\.o_proj\.bias", "blk.{layer}.attn_output.bias"),  # Granite (bias=True)
     NameRule(_L + r"self_attn\.q_norm\.weight", "blk.{layer}.attn_q_norm.weight", "norm"),  # Qwen3-MoE, OLMoE, Gemma 3
     NameRule(_L + r"self_attn\.k_norm\.weight", "blk.{layer}.attn_k_norm.weight", "norm"),  # Qwen3-MoE, OLMoE, Gemma 3
+    NameRule(_L + r"self_attn\.q_a_proj\.weight", "blk.{layer}.attn_q_a.weight"),  # DeepSeek-V2 MLA
+    NameRule(_L + r"self_attn\.q_a_layernorm\.weight", "blk.{layer}.attn_q_a_norm.weight"),  # DeepSeek-V2
+    NameRule(_L + r"self_attn\.q_b_proj\.weight", "blk.{layer}.attn_q_b.weight"),  # DeepSeek-V2
+    NameRule(_L + r"self_attn\.kv_a_proj_with_mqa\.weight", "blk.{layer}.attn_kv_a_mqa.weight"),  # DeepSeek-V2
+    NameRule(_L + r"self_attn\.kv_a_layernorm\.weight", "blk.{layer}.attn_kv_a_norm.weight"),  # DeepSeek-V2
+    NameRule(_L + r"self_attn\.kv_b_proj\.weight", "blk.{layer}.attn_k_b.weight", "kb"),  # DeepSeek-V2
+    NameRule(_L + r"self_attn\.kv_b_proj\.weight", "blk.{layer}.attn_v_b.weight", "vb"),  # DeepSeek-V2
+    NameRule(_L + r"self_attn\.sinks", "blk.{layer}.attn_sinks.weight"),  # GPT-OSS
     NameRule(_L + r"mlp\.gate_proj\.weight", "blk.{layer}.ffn_gate.weight"),  # Gemma 3, Llama (dense)
     NameRule(_L + r"mlp\.up_proj\.weight", "blk.{layer}.ffn_up.weight"),  # Gemma 3, Llama (dense)
     NameRule(_L + r"mlp\.down_proj\.weight", "blk.{layer}.ffn_down.weight"),  # Gemma 3, Llama (dense)
@@ -78,6 +93,17 @@ RULES = (
     NameRule(_L + r"mlp\.shared_expert\.up_proj\.weight", "blk.{layer}.ffn_up_shexp.weight"),  # Qwen2-MoE
     NameRule(_L + r"mlp\.shared_expert\.down_proj\.weight", "blk.{layer}.ffn_down_shexp.weight"),  # Qwen2-MoE
     NameRule(_L + r"mlp\.shared_expert_gate\.weight", "blk.{layer}.ffn_gate_inp_shexp.weight", "squeeze"),  # Qwen2-MoE
+    NameRule(_L + r"mlp\.shared_experts\.gate_proj\.weight", "blk.{layer}.ffn_gate_shexp.weight"),  # DeepSeek-V2
+    NameRule(_L + r"mlp\.shared_experts\.up_proj\.weight", "blk.{layer}.ffn_up_shexp.weight"),  # DeepSeek-V2
+    NameRule(_L + r"mlp\.shared_experts\.down_proj\.weight", "blk.{layer}.ffn_down_shexp.weight"),  # DeepSeek-V2
+    NameRule(_L + r"mlp\.router\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # GPT-OSS
+    NameRule(_L + r"mlp\.router\.bias", "blk.{layer}.ffn_gate_inp.bias"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.gate_up_proj", "blk.{layer}.ffn_gate_exps.weight", "stacked+even+t"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.gate_up_proj", "blk.{layer}.ffn_up_exps.weight", "stacked+odd+t"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.gate_up_proj_bias", "blk.{layer}.ffn_gate_exps.bias", "stacked+even"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.gate_up_proj_bias", "blk.{layer}.ffn_up_exps.bias", "stacked+odd"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.down_proj", "blk.{layer}.ffn_down_exps.weight", "stacked+t"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.down_proj_bias", "blk.{layer}.ffn_down_exps.bias", "stacked"),  # GPT-OSS
     NameRule(_L + r"block_sparse_moe\.router\.layer\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Granite-MoE
     NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_gate_exps.weight", "stacked+gate"),  # Granite-MoE
     NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_up_exps.weight", "stacked+up"),  # Granite-MoE
@@ -125,8 +151,8 @@ def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
             expert = int(m.group(2)) if "expert" in ops else None
             result.setdefault(gguf_name, []).append(Part(hf_name, ops, expert))
             matched = True
-            if not ({"gate", "up"} & ops):
-                break  # a fused gate+up tensor feeds two GGUF tensors; others feed one
+            if not (_FANOUT_OPS & ops):
+                break  # a fused gate+up (or kv_b) tensor feeds two GGUF tensors; others feed one
         if not matched:
             unknown.append(hf_name)
     if unknown:
@@ -148,13 +174,17 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .reshape(w.shape))
 
 
-def transform(w: torch.Tensor, ops: frozenset[str], arch: str, n_head: int,
-              n_head_kv: int) -> torch.Tensor:
+def transform(w: torch.Tensor, ops: frozenset[str], config: ModelConfig) -> torch.Tensor:
     """Apply a part's element-level ops (not the expert/half selection) in llama.cpp's order."""
+    arch = config.arch
     if "q" in ops and arch in PERMUTED_ARCHS:
-        w = llama_permute(w, n_head)
+        w = llama_permute(w, config.n_head)
     if "k" in ops and arch in PERMUTED_ARCHS:
-        w = llama_permute(w, n_head_kv)
+        w = llama_permute(w, config.n_head_kv)
+    if "t" in ops:
+        w = w.transpose(-1, -2)
+    if {"kb", "vb"} & ops:
+        w = split_kv_b(w, config, "kb" in ops)
     if "norm" in ops and arch in SHIFTED_NORM_ARCHS:
         w = w + 1.0
     if "squeeze" in ops:
@@ -162,10 +192,24 @@ def transform(w: torch.Tensor, ops: frozenset[str], arch: str, n_head: int,
     return w
 
 
-def half_rows(w: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:
-    """The gate (first) or up (second) half of a fused gate+up tensor, along dim -2."""
+def split_kv_b(w: torch.Tensor, c: ModelConfig, key: bool) -> torch.Tensor:
+    """llama.cpp's split of kv_b_proj [H*(P+V), L]: k_b [H, L, P] (transposed) or v_b [H, V, L].
+
+    Legend: H heads, P non-rotated key dims per head, V value dims per head, L kv_lora_rank.
+    """
+    nope = c.head_dim_k_mla - c.n_rot
+    kv_b = w.reshape(c.n_head, nope + c.head_dim_v_mla, w.shape[-1])  # [H, P+V, L]
+    return kv_b[:, :nope].transpose(1, 2) if key else kv_b[:, nope:]  # [H, L, P] / [H, V, L]
+
+
+def select_part(w: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:
+    """The gate or up part of a fused gate+up tensor: halves of dim -2, or interleaved dim -1."""
     if "gate" in ops:
         return w[..., : w.shape[-2] // 2, :]
     if "up" in ops:
         return w[..., w.shape[-2] // 2:, :]
+    if "even" in ops:
+        return w[..., 0::2]
+    if "odd" in ops:
+        return w[..., 1::2]
     return w

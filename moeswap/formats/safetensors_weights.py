@@ -51,7 +51,7 @@ class SafetensorsWeights:
             return self._read(parts[expert])
         part = parts[0]  # stacked [E, out, in]: read only row `expert`
         w = self._handle(part.hf_name).get_slice(part.hf_name)[expert]
-        return self._finish(hf_names.half_rows(w, part.ops), part)
+        return self._finish(hf_names.select_part(w, part.ops), part)
 
     def experts(self, layer: int, kind: str) -> torch.Tensor:
         return self.tensor(f"blk.{layer}.ffn_{kind}_exps.weight")
@@ -64,13 +64,11 @@ class SafetensorsWeights:
                                  self._shard_of[parts[0].hf_name], zero_copy=False)
 
     def tensor_shape(self, name: str) -> list[int]:
-        """The GGUF tensor's shape in torch order, from the headers only."""
+        """The GGUF tensor's shape in torch order, from the headers only (ops run on meta)."""
         parts = self._parts(name)
-        shape = list(self._handle(parts[0].hf_name).get_slice(parts[0].hf_name).get_shape())
-        if {"gate", "up"} & parts[0].ops:
-            shape[-2] //= 2
-        if "squeeze" in parts[0].ops:
-            shape = [int(torch.Size(shape).numel())]
+        header = self._handle(parts[0].hf_name).get_slice(parts[0].hf_name).get_shape()
+        meta = torch.empty(header, device="meta")
+        shape = list(self._finish(hf_names.select_part(meta, parts[0].ops), parts[0]).shape)
         return [len(parts), *shape] if parts[0].expert is not None else shape
 
     def _parts(self, name: str) -> list[hf_names.Part]:
@@ -82,11 +80,10 @@ class SafetensorsWeights:
 
     def _read(self, part: hf_names.Part) -> torch.Tensor:
         w = self._handle(part.hf_name).get_tensor(part.hf_name)
-        return self._finish(hf_names.half_rows(w, part.ops), part)
+        return self._finish(hf_names.select_part(w, part.ops), part)
 
     def _finish(self, w: torch.Tensor, part: hf_names.Part) -> torch.Tensor:
-        c = self.config
-        w = hf_names.transform(w, part.ops, c.arch, c.n_head, c.n_head_kv)
+        w = hf_names.transform(w, part.ops, self.config)
         return w.to(torch.float32).contiguous()
 
     def _handle(self, hf_name: str):

@@ -103,7 +103,7 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
     if c.is_moe:
         writer.add_expert_count(c.n_expert)
         writer.add_expert_used_count(c.n_expert_used)
-    if hf.get("head_dim") and c.arch != "granitemoe":
+    if hf.get("head_dim") and c.arch not in ("granitemoe", "deepseek2"):
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
     writer.add_file_type(OUT_TYPES[out_type][1])
@@ -113,8 +113,15 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         writer.add_rope_dimension_count(c.n_rot)
     if c.arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(c.n_ff_exp)
-    if c.n_ff_shexp:
+    if c.n_ff_shexp and c.arch != "deepseek2":
         writer.add_expert_shared_feed_forward_length(c.n_ff_shexp)
+    if c.arch == "deepseek2":
+        _write_deepseek2(writer, c, hf)
+    if c.arch == "gpt-oss":
+        writer.add_sliding_window(c.sliding_window)
+        writer.add_expert_feed_forward_length(c.n_ff_exp)
+        if c.swa_layers != tuple(i % 2 == 0 for i in range(c.n_layer)):
+            writer.add_sliding_window_pattern(list(c.swa_layers))
     if c.arch in ("qwen2moe", "qwen3moe", "olmoe") and c.expert_weights_norm != _LLAMA_CPP_NORM[c.arch]:
         # llama.cpp hard-codes renormalisation per architecture and ignores this key; say so.
         raise MoeswapError(f"{folder}/config.json: norm_topk_prob={c.expert_weights_norm} but "
@@ -137,6 +144,26 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
             writer.add_sliding_window(c.sliding_window)
         if c.swa_layers != _gemma3_default_pattern(c.n_layer):
             writer.add_sliding_window_pattern(list(c.swa_layers))
+
+
+def _write_deepseek2(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
+    """DeepseekV2Model.set_gguf_parameters: MLA sizes (the cache as MQA over the latent)."""
+    writer.add_leading_dense_block_count(c.n_layer_dense_lead)
+    writer.add_vocab_size(c.n_vocab)
+    if c.q_lora_rank:
+        writer.add_q_lora_rank(c.q_lora_rank)
+    writer.add_kv_lora_rank(c.kv_lora_rank)
+    writer.add_key_length(c.head_dim)  # kv_lora_rank + rope dims
+    writer.add_value_length(c.kv_lora_rank)
+    writer.add_key_length_mla(c.head_dim_k_mla)
+    writer.add_value_length_mla(c.head_dim_v_mla)
+    writer.add_expert_feed_forward_length(c.n_ff_exp)
+    writer.add_expert_shared_count(c.n_expert_shared)
+    if hf.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(c.expert_weights_scale)
+    if c.expert_weights_norm:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(c.n_rot)
 
 
 _LLAMA_CPP_NORM = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}

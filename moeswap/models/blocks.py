@@ -23,13 +23,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of one sequence, one growing buffer per layer: [S, K, E]."""
+    """Keys and values of one sequence, one growing buffer per layer: [S, K, E].
 
-    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int):
+    Each layer's entry shape is that of its first append, so layers may differ (MLA caches
+    one latent per token: keys [S, 1, kv_lora + rope] and zero-width values).
+    """
+
+    def __init__(self, n_layer: int):
         self.length = 0  # positions already processed
         self._keys: list[torch.Tensor | None] = [None] * n_layer
         self._values: list[torch.Tensor | None] = [None] * n_layer
-        self._shape = (n_head_kv, head_dim)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new tokens' k, v [T, K, E] after `length`; return all [S, K, E] so far."""
@@ -37,8 +40,8 @@ class KVCache:
         keys = self._keys[layer]
         if keys is None or keys.shape[0] < end:
             capacity = max(end, 2 * (0 if keys is None else keys.shape[0]), 16)
-            keys = self._grow(keys, capacity, k.dtype)
-            self._values[layer] = self._grow(self._values[layer], capacity, v.dtype)
+            keys = self._grow(keys, capacity, k)
+            self._values[layer] = self._grow(self._values[layer], capacity, v)
             self._keys[layer] = keys
         values = self._values[layer]
         keys[self.length:end] = k
@@ -49,8 +52,8 @@ class KVCache:
         """Commit the tokens every layer has appended."""
         self.length += n_tokens
 
-    def _grow(self, old: torch.Tensor | None, capacity: int, dtype: torch.dtype) -> torch.Tensor:
-        new = torch.empty((capacity, *self._shape), dtype=dtype)
+    def _grow(self, old: torch.Tensor | None, capacity: int, like: torch.Tensor) -> torch.Tensor:
+        new = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype)
         if old is not None:
             new[: self.length] = old[: self.length]
         return new
@@ -105,6 +108,7 @@ class AttentionWeights:
     bo: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # [E] per head, or [H*E] over the whole projection (OLMoE)
     k_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [H] per-head sink logit joining the softmax (GPT-OSS)
 
 
 @dataclass
@@ -141,29 +145,36 @@ class Attention:
         out = torch.empty_like(q)
         for (start, end), cache in zip(batch.spans, batch.caches):
             keys, values = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
-            out[start:end] = self._attend(q[start:end], keys, values, cache.length)
+            out[start:end] = attend(s, q[start:end], keys, values, cache.length, w.sinks)
         return F.linear(out.flatten(1), w.wo, w.bo)  # [N, D]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                past: int) -> torch.Tensor:
-        """q [T, H, E] at positions past..past+T-1 against keys/values [S, K, E] -> [T, H, E]."""
-        s = self.spec
-        n_new, n_all = q.shape[0], keys.shape[0]
-        group = s.n_head // s.n_head_kv
-        qg = q.view(n_new, s.n_head_kv, group, s.head_dim).permute(1, 2, 0, 3)  # [K, G, T, E]
-        kt = keys.permute(1, 2, 0)[:, None]  # [K, 1, E, S]
-        scores = (qg @ kt) * s.scale  # [K, G, T, S]
-        if s.softcap:
-            scores = torch.tanh(scores / s.softcap) * s.softcap
-        q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]
-        k_pos = torch.arange(n_all)[None, :]  # [1, S]
-        visible = k_pos <= q_pos
-        if s.window:
-            visible &= q_pos - k_pos < s.window
-        scores = scores.masked_fill(~visible, float("-inf"))
+
+def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           past: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, E] at positions past..past+T-1 against keys [S, K, E], values [S, K, V] -> [T, H, V].
+
+    A sink is one more logit per head in the softmax, with no value (GPT-OSS).
+    """
+    n_new, n_all = q.shape[0], keys.shape[0]
+    group = s.n_head // s.n_head_kv
+    qg = q.view(n_new, s.n_head_kv, group, s.head_dim).permute(1, 2, 0, 3)  # [K, G, T, E]
+    kt = keys.permute(1, 2, 0)[:, None]  # [K, 1, E, S]
+    scores = (qg @ kt) * s.scale  # [K, G, T, S]
+    if s.softcap:
+        scores = torch.tanh(scores / s.softcap) * s.softcap
+    q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]
+    k_pos = torch.arange(n_all)[None, :]  # [1, S]
+    visible = k_pos <= q_pos
+    if s.window:
+        visible &= q_pos - k_pos < s.window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.view(s.n_head_kv, group, 1, 1).expand(-1, -1, n_new, 1)  # [K, G, T, 1]
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # [K, G, T, S]
+    else:
         probs = torch.softmax(scores, dim=-1)  # [K, G, T, S]
-        out = probs @ values.permute(1, 0, 2)[:, None]  # [K, G, T, E]
-        return out.permute(2, 0, 1, 3).reshape(n_new, s.n_head, s.head_dim)  # [T, H, E]
+    out = probs @ values.permute(1, 0, 2)[:, None]  # [K, G, T, V]
+    return out.permute(2, 0, 1, 3).reshape(n_new, s.n_head, values.shape[-1])  # [T, H, V]
 
 
 @dataclass

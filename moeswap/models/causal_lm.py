@@ -50,8 +50,7 @@ class CausalLM:
         self.output = output  # [V, D]; the embedding itself when tied
 
     def new_cache(self) -> KVCache:
-        c = self.config
-        return KVCache(c.n_layer, c.n_head_kv, c.head_dim)
+        return KVCache(self.config.n_layer)
 
     @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> list[torch.Tensor]:
@@ -92,7 +91,8 @@ def attention_weights(weights: Any, layer: int) -> AttentionWeights:
         wv=weights.tensor(p + "attn_v.weight"), wo=weights.tensor(p + "attn_output.weight"),
         bq=optional("attn_q.bias"), bk=optional("attn_k.bias"), bv=optional("attn_v.bias"),
         bo=optional("attn_output.bias"),
-        q_norm=optional("attn_q_norm.weight"), k_norm=optional("attn_k_norm.weight"))
+        q_norm=optional("attn_q_norm.weight"), k_norm=optional("attn_k_norm.weight"),
+        sinks=optional("attn_sinks.weight"))
 
 
 def attention_spec(config: ModelConfig, layer: int) -> AttentionSpec:
@@ -109,8 +109,10 @@ def rope(config: ModelConfig, weights: Any) -> Rope:
 
 
 def router(config: ModelConfig, weights: Any, layer: int) -> Router:
+    bias = f"blk.{layer}.ffn_gate_inp.bias"
     return Router(weights.tensor(f"blk.{layer}.ffn_gate_inp.weight"), config.n_expert_used,
-                  bool(config.expert_weights_norm), config.expert_weights_scale)
+                  bool(config.expert_weights_norm), config.expert_weights_scale,
+                  weights.tensor(bias) if weights.has(bias) else None, config.gating)
 
 
 def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) -> DenseFFN:

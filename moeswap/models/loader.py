@@ -1,4 +1,8 @@
-"""load_model: a .gguf file or a HF folder -> a ready CausalLM with resident experts."""
+"""load_model: a .gguf file or a HF folder -> a ready CausalLM with its expert runner.
+
+Experts are held resident in float32, except MXFP4 experts, which are decoded per expert when
+used (a float32 copy would be 8x their stored size).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.models.causal_lm import CausalLM
-from moeswap.models.experts import ResidentExperts
+from moeswap.models.experts import OnUseExperts, ResidentExperts
 from moeswap.models.registry import family
 
 
@@ -29,6 +33,12 @@ class _LoggedWeights:
     def tensor(self, name: str) -> torch.Tensor:
         self._report(name)
         return self.weights.tensor(name)
+
+    def describe(self, name: str):
+        return self.weights.describe(name)
+
+    def expert(self, layer: int, expert: int, kind: str) -> torch.Tensor:
+        return self.weights.expert(layer, expert, kind)
 
     def experts(self, layer: int, kind: str) -> torch.Tensor:
         stacked = self.weights.experts(layer, kind)
@@ -62,6 +72,15 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     build = family(config.arch).build
     if verbose_log is not None:
         weights = _LoggedWeights(weights, verbose_log)
-    moe_layers = list(range(config.n_layer)) if config.is_moe else []
-    experts = ResidentExperts.from_weights(weights, moe_layers)
+    moe_layers = config.moe_layers
+    experts: Any
+    if any(_stored_type(weights, i) == "MXFP4" for i in moe_layers):
+        experts = OnUseExperts(weights, moe_layers, config.expert_act)
+    else:
+        experts = ResidentExperts.from_weights(weights, moe_layers, config.expert_act)
     return build(config, source, weights, experts)
+
+
+def _stored_type(weights: Any, layer: int) -> str:
+    name = f"blk.{layer}.ffn_down_exps.weight"
+    return weights.describe(name).type_name if weights.has(name) else ""

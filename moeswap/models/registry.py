@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from moeswap.errors import MoeswapError
-from moeswap.models import gemma3, granitemoe, llama, olmoe, qwen2moe, qwen3moe
+from moeswap.models import deepseek2, gemma3, gpt_oss, granitemoe, llama, olmoe, qwen2moe, qwen3moe
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
@@ -14,6 +14,8 @@ FAMILIES: dict[str, ModuleType] = {
     "olmoe": olmoe,
     "granitemoe": granitemoe,
     "gemma3": gemma3,
+    "deepseek2": deepseek2,
+    "gpt-oss": gpt_oss,
 }
 
 
