@@ -119,7 +119,7 @@ def load_tokenizer(path: str | os.PathLike, *, cache_dir: str | os.PathLike | No
     """The tokenizer of a .gguf file or of a Hugging Face folder (tokenizer.json)."""
     path = Path(path)
     if path.is_dir():
-        return tokenizer_from_hf_folder(path)
+        return tokenizer_from_hf_folder(path, cache_dir=cache_dir)
     return tokenizer_from_gguf(GGUFFile.open(path), cache_dir=cache_dir)
 
 
@@ -265,13 +265,16 @@ def _write_cached(path: Path, backend: tokenizers.Tokenizer) -> None:
 
 # --- Hugging Face folder ------------------------------------------------------------------
 
-def tokenizer_from_hf_folder(folder: Path) -> Tokenizer:
+def tokenizer_from_hf_folder(folder: Path, *, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
     """tokenizer.json for the vocabulary; tokenizer_config.json, config.json and
-    generation_config.json for BOS/EOS, add_bos and the chat template."""
+    generation_config.json for BOS/EOS, add_bos and the chat template. A folder with only a
+    SentencePiece tokenizer.model goes through the vocabulary ``moeswap convert`` writes."""
     tokenizer_file = folder / "tokenizer.json"
+    if not tokenizer_file.exists() and (folder / "tokenizer.model").exists():
+        return _tokenizer_from_sentencepiece_folder(folder, cache_dir)
     if not tokenizer_file.exists():
-        raise MoeswapError(f"{folder}: no tokenizer.json. Save the tokenizer with "
-                           "transformers' tokenizer.save_pretrained(folder) (a fast tokenizer).")
+        raise MoeswapError(f"{folder}: no tokenizer.json or tokenizer.model. Save the tokenizer "
+                           "with transformers' tokenizer.save_pretrained(folder).")
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     tokenizer_config = _read_json(folder / "tokenizer_config.json")
     model_config = _read_json(folder / "config.json")
@@ -296,6 +299,34 @@ def tokenizer_from_hf_folder(folder: Path) -> Tokenizer:
                              add_bos=bos_id is not None and bos_id in probe[:1],
                              add_eos=eos_id is not None and eos_id in probe[-1:])
     return Tokenizer(backend, specials, _hf_chat_template(folder, tokenizer_config))
+
+
+def _tokenizer_from_sentencepiece_folder(folder: Path, cache_dir) -> Tokenizer:
+    """Write the folder's vocabulary as ``moeswap convert`` does into a metadata-only GGUF
+    (cached), then read that: the folder then tokenizes exactly as its converted file."""
+    import gguf
+
+    from moeswap.formats.config import config_from_hf
+    from moeswap.gguf_tools.vocab_to_gguf import write_vocab
+
+    digest = hashlib.sha256(f"moeswap-sentencepiece-v{CONVERSION_VERSION}".encode())
+    for name in ("tokenizer.model", "tokenizer_config.json", "added_tokens.json",
+                 "special_tokens_map.json", "config.json", "generation_config.json"):
+        if (folder / name).exists():
+            digest.update(name.encode() + (folder / name).read_bytes())
+    vocab_file = Path(cache_dir or default_cache_dir()) / f"{digest.hexdigest()[:32]}.gguf"
+    if not vocab_file.exists():
+        config = config_from_hf(folder)
+        vocab_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = vocab_file.with_suffix(f".{os.getpid()}.tmp")
+        writer = gguf.GGUFWriter(str(partial), config.arch)
+        write_vocab(writer, folder, config)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(partial, vocab_file)
+    return tokenizer_from_gguf(GGUFFile.open(vocab_file), cache_dir=cache_dir)
 
 
 def _hf_chat_template(folder: Path, tokenizer_config: dict) -> str | None:

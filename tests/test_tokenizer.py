@@ -211,8 +211,22 @@ def test_hf_folder(tmp_path):
 
 
 def test_hf_folder_without_tokenizer_json(tmp_path):
-    with pytest.raises(MoeswapError, match="no tokenizer.json"):
+    with pytest.raises(MoeswapError, match="no tokenizer.json or tokenizer.model"):
         load_tokenizer(tmp_path)
+
+
+def test_hf_folder_with_only_a_sentencepiece_model(tmp_path):
+    import sentencepiece
+    import tiny_models
+
+    tiny_models.save("mixtral", tmp_path)
+    tok = load_tokenizer(tmp_path, cache_dir=tmp_path / "cache")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / "tokenizer.model"))
+    text = "Hello world, experts route tokens."
+    assert tok.encode(text) == [sp.bos_id()] + sp.encode(text)
+    assert tok.decode(tok.encode(text)) == text
+    assert (tok.bos_id, tok.eos_id, tok.specials.add_bos) == (1, 2, True)
+    assert len(list((tmp_path / "cache").glob("*.gguf"))) == 1  # the vocabulary, cached
 
 
 def test_text_stream_waits_for_whole_characters(tmp_path, cache_dir):
