@@ -235,15 +235,14 @@ def _set_spm_prefix_space(backend: tokenizers.Tokenizer, add_space_prefix: bool)
 
 
 def _set_bos_eos_processor(backend: tokenizers.Tokenizer, specials: SpecialTokens) -> None:
-    pieces, special_ids = ["$A"], {}
-    for wanted, token_id, first in ((specials.add_bos, specials.bos_id, True),
-                                    (specials.add_eos, specials.eos_id, False)):
-        if wanted and token_id is not None:
-            text = backend.id_to_token(token_id)
-            pieces.insert(0, text) if first else pieces.append(text)
-            special_ids[text] = token_id
+    """encode(add_special_tokens=True) adds BOS/EOS exactly when the metadata asks."""
+    bos = backend.id_to_token(specials.bos_id) if specials.add_bos and specials.bos_id is not None else None
+    eos = backend.id_to_token(specials.eos_id) if specials.add_eos and specials.eos_id is not None else None
+    single = [t for t in (bos, "$A", eos) if t is not None]
+    added = [(bos, specials.bos_id), (eos, specials.eos_id)]
     backend.post_processor = processors.TemplateProcessing(
-        single=pieces, pair=pieces + ["$B"], special_tokens=list(special_ids.items()))
+        single=single, pair=single + ["$B"],
+        special_tokens=list({text: i for text, i in added if text is not None}.items()))
 
 
 def _read_cached(path: Path) -> tokenizers.Tokenizer | None:
