@@ -27,9 +27,15 @@ def register(subparsers) -> None:
 
 def run_generate(args) -> int:
     import moeswap
+    from dataclasses import asdict
+
     from moeswap.generate import GenerationStats
     from moeswap.runtime import peak_rss_bytes
+    from moeswap.sampling import SamplingParams
 
+    # Checked before loading, which can take minutes.
+    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"),
                   TextColumn("{task.completed} tensors mapped"), TimeElapsedColumn(),
@@ -48,13 +54,11 @@ def run_generate(args) -> int:
 
     stats = GenerationStats()
     prompt_ids = runtime.encode(args.prompt)
+    tokens = runtime.generate(prompt_ids, args.n_predict, stats=stats, **asdict(sampling))
     text = runtime.tokenizer.stream(prompt_ids)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    for token in runtime.generate(prompt_ids, args.n_predict, stats=stats,
-                                  temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                                  min_p=args.min_p, repeat_penalty=args.repeat_penalty,
-                                  seed=args.seed):
+    for token in tokens:
         sys.stdout.write(text.push(token))
         sys.stdout.flush()
     sys.stdout.write("\n")
