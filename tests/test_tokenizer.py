@@ -9,7 +9,7 @@ import random
 import gguf
 import pytest
 import tokenizers
-from tokenizers import models, pre_tokenizers, decoders
+from tokenizers import decoders, models, pre_tokenizers, processors
 
 from moeswap import tokenizer as tokenizer_module
 from moeswap.errors import MoeswapError
@@ -197,7 +197,6 @@ def test_hf_folder(tmp_path):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.BPEDecoder()
     backend.add_special_tokens(["<s>", "</s>", "<|eot|>"])
-    from tokenizers import processors
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     backend.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
