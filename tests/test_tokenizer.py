@@ -270,3 +270,35 @@ def test_random_texts_match_llama_cpp(tmp_path, cache_dir):
         for parse_special in (True, False):
             assert tok.encode(text, parse_special=parse_special) == reference.tokenize(
                 text.encode(), add_bos=True, special=parse_special), repr(text)
+
+
+@pytest.mark.llama_cpp
+def test_byte_level_bpe_matches_llama_cpp(tmp_path, cache_dir):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from tokenizers import trainers
+
+    corpus = ["The quick brown fox jumps over the lazy dog.", "def add(a, b): return a + b",
+              "Hello world 123 4567!", "naïve café 日本語"] * 50
+    trained = tokenizers.Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"], show_progress=False))
+    spec = json.loads(trained.to_str())["model"]
+    tokens = sorted(spec["vocab"], key=spec["vocab"].get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["merges"]]
+    types = [CONTROL if t == "<|endoftext|>" else NORMAL for t in tokens]
+    path = write_vocab_gguf(tmp_path / "bpe.gguf", tokens, [0.0] * len(tokens), types,
+                            model="gpt2", merges=merges,
+                            extra={"add_tokenizer_pre": "qwen2", "add_eos_token_id": 0})
+    tok = load_tokenizer(path, cache_dir=cache_dir)
+    reference = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    rng = random.Random(12)
+    pieces = list("The quick brown fox 0123456789 def add(a, b): return!?' \n\t") + \
+        ["café", "日本", "  ", "\n\n", "<|endoftext|>", "'s", "'ll"]
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 25)))
+        for parse_special in (True, False):
+            # add_bos=True asks for llama.cpp's own BOS decision (off for this vocabulary)
+            assert tok.encode(text, parse_special=parse_special) == reference.tokenize(
+                text.encode(), add_bos=True, special=parse_special), repr(text)
