@@ -12,9 +12,15 @@ G = H / K query heads per kv head, E head size, R rotated dims per head, F FFN w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+
+# A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
+# (moeswap.models.linear): a torch weight, or ggml kernels on the stored quantized bytes.
+Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,14 +104,10 @@ class Rope:
 
 @dataclass
 class AttentionWeights:
-    wq: torch.Tensor  # [H*E, D]
-    wk: torch.Tensor  # [K*E, D]
-    wv: torch.Tensor  # [K*E, D]
-    wo: torch.Tensor  # [D, H*E]
-    bq: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
-    bo: torch.Tensor | None = None
+    wq: Linear  # x [N, D] -> [N, H*E], with the projection's bias when the family has one
+    wk: Linear  # [N, D] -> [N, K*E]
+    wv: Linear  # [N, D] -> [N, K*E]
+    wo: Linear  # [N, H*E] -> [N, D]
     q_norm: torch.Tensor | None = None  # [E] per head, or [H*E] over the whole projection (OLMoE)
     k_norm: torch.Tensor | None = None
     sinks: torch.Tensor | None = None  # [H] per-head sink logit joining the softmax (GPT-OSS)
@@ -131,9 +133,7 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
         w, s = self.w, self.spec
-        q = F.linear(x, w.wq, w.bq)  # [N, H*E]
-        k = F.linear(x, w.wk, w.bk)  # [N, K*E]
-        v = F.linear(x, w.wv, w.bv)  # [N, K*E]
+        q, k, v = w.wq(x), w.wk(x), w.wv(x)  # [N, H*E], [N, K*E], [N, K*E]
         if w.q_norm is not None and w.q_norm.shape[0] != s.head_dim:  # whole-projection norm
             q, k = rms_norm(q, w.q_norm, s.eps), rms_norm(k, w.k_norm, s.eps)
         q = q.view(-1, s.n_head, s.head_dim)  # [N, H, E]
@@ -146,7 +146,7 @@ class Attention:
         for (start, end), cache in zip(batch.spans, batch.caches):
             keys, values = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
             out[start:end] = attend(s, q[start:end], keys, values, cache.length, w.sinks)
-        return F.linear(out.flatten(1), w.wo, w.bo)  # [N, D]
+        return w.wo(out.flatten(1))  # [N, D]
 
 
 def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -181,12 +181,12 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
 class DenseFFN:
     """Gated FFN: down(act(gate x) * up x); SiLU (SwiGLU) or tanh-GELU (GeGLU, Gemma)."""
 
-    gate: torch.Tensor  # [F, D]
-    up: torch.Tensor  # [F, D]
-    down: torch.Tensor  # [D, F]
+    gate: Linear  # [N, D] -> [N, F]
+    up: Linear  # [N, D] -> [N, F]
+    down: Linear  # [N, F] -> [N, D]
     gelu: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        g = F.linear(x, self.gate)  # [N, F]
+        g = self.gate(x)  # [N, F]
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
-        return F.linear(g * F.linear(x, self.up), self.down)  # [N, D]
+        return self.down(g * self.up(x))  # [N, D]

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import (Attention, AttentionSpec, AttentionWeights, Batch, DenseFFN,
-                                   KVCache, Rope, rms_norm)
+                                   KVCache, Linear, Rope, rms_norm)
 from moeswap.models.moe import Router
 
 Layer = Callable[[torch.Tensor, Batch], torch.Tensor]
@@ -40,14 +39,15 @@ class PreNormLayer:
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, source: Any, embedding: torch.Tensor,
-                 layers: list[Layer], output_norm: torch.Tensor, output: torch.Tensor):
+    def __init__(self, config: ModelConfig, source: Any,
+                 embedding: Callable[[torch.Tensor], torch.Tensor], layers: list[Layer],
+                 output_norm: torch.Tensor, output: Linear):
         self.config = config
         self.source = source  # the GGUFFile or HF folder the weights come from
-        self.embedding = embedding  # [V, D]
+        self.embedding = embedding  # ids [N] -> [N, D]
         self.layers = layers
         self.output_norm = output_norm  # [D]
-        self.output = output  # [V, D]; the embedding itself when tied
+        self.output = output  # [N, D] -> [N, V]; over the embedding table when tied
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.n_layer)
@@ -63,13 +63,13 @@ class CausalLM:
         spans = [(end - n, end) for end, n in zip(ends, lengths)]
         positions = torch.cat([torch.arange(cache.length, cache.length + n)
                                for cache, n in zip(caches, lengths)])  # [N]
-        x = F.embedding(torch.cat([t.reshape(-1) for t in tokens]), self.embedding)  # [N, D]
+        x = self.embedding(torch.cat([t.reshape(-1) for t in tokens]))  # [N, D]
         if c.embedding_scale != 1.0:
             x = x * c.embedding_scale
         batch = Batch(positions, spans, caches)
         for layer in self.layers:
             x = layer(x, batch)
-        logits = F.linear(rms_norm(x, self.output_norm, c.rms_eps), self.output)  # [N, V]
+        logits = self.output(rms_norm(x, self.output_norm, c.rms_eps))  # [N, V]
         if c.logit_scale != 1.0:
             logits = logits / c.logit_scale
         if c.final_logit_softcap:
@@ -87,10 +87,10 @@ def attention_weights(weights: Any, layer: int) -> AttentionWeights:
 
     p = f"blk.{layer}."
     return AttentionWeights(
-        wq=weights.tensor(p + "attn_q.weight"), wk=weights.tensor(p + "attn_k.weight"),
-        wv=weights.tensor(p + "attn_v.weight"), wo=weights.tensor(p + "attn_output.weight"),
-        bq=optional("attn_q.bias"), bk=optional("attn_k.bias"), bv=optional("attn_v.bias"),
-        bo=optional("attn_output.bias"),
+        wq=weights.linear(p + "attn_q.weight", p + "attn_q.bias"),
+        wk=weights.linear(p + "attn_k.weight", p + "attn_k.bias"),
+        wv=weights.linear(p + "attn_v.weight", p + "attn_v.bias"),
+        wo=weights.linear(p + "attn_output.weight", p + "attn_output.bias"),
         q_norm=optional("attn_q_norm.weight"), k_norm=optional("attn_k_norm.weight"),
         sinks=optional("attn_sinks.weight"))
 
@@ -118,11 +118,11 @@ def router(config: ModelConfig, weights: Any, layer: int) -> Router:
 def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) -> DenseFFN:
     """ffn_{gate,up,down}{suffix}: the dense FFN ("") or the shared expert ("_shexp")."""
     p = f"blk.{layer}.ffn_"
-    return DenseFFN(weights.tensor(f"{p}gate{suffix}.weight"), weights.tensor(f"{p}up{suffix}.weight"),
-                    weights.tensor(f"{p}down{suffix}.weight"), gelu)
+    return DenseFFN(weights.linear(f"{p}gate{suffix}.weight"), weights.linear(f"{p}up{suffix}.weight"),
+                    weights.linear(f"{p}down{suffix}.weight"), gelu)
 
 
 def assemble(config: ModelConfig, source: Any, weights: Any, layers: list[Layer]) -> CausalLM:
-    embedding = weights.tensor("token_embd.weight")
-    output = weights.tensor("output.weight") if weights.has("output.weight") else embedding
-    return CausalLM(config, source, embedding, layers, weights.tensor("output_norm.weight"), output)
+    output = weights.linear("output.weight" if weights.has("output.weight") else "token_embd.weight")
+    return CausalLM(config, source, weights.embedding("token_embd.weight"), layers,
+                    weights.tensor("output_norm.weight"), output)

@@ -1,7 +1,8 @@
 """load_model: a .gguf file or a HF folder -> a ready CausalLM with its expert runner.
 
-Experts are held resident in float32, except MXFP4 experts, which are decoded per expert when
-used (a float32 copy would be 8x their stored size).
+In a GGUF file every matrix not stored as F32 is computed by ggml's kernels straight from the
+mapped bytes (``BoundWeights``, ``QuantResidentExperts``); F32 tensors are zero-copy views of the
+mapped file and go through torch, as do HF folders.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import config_from_gguf
@@ -17,8 +19,12 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.models.causal_lm import CausalLM
-from moeswap.models.experts import OnUseExperts, ResidentExperts
+from moeswap.models.experts import ResidentExperts
+from moeswap.models.moe import ExpertRunner
+from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
 from moeswap.models.registry import family
+from moeswap.models.weight_binding import BoundWeights
+from moeswap.quant import CpuKernels
 
 
 class _LoggedWeights:
@@ -56,15 +62,27 @@ class _LoggedWeights:
         self.log(f"{name}{note}  {shape}  {d.type_name}  {where}  from {d.location}")
 
 
-def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None) -> CausalLM:
-    """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model."""
+# Builds the routed-expert runner of a GGUF model: (file, kernels, MoE layers, activation) -> runner.
+ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRunner]
+
+
+def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
+               threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None
+               ) -> CausalLM:
+    """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
+
+    threads: the kernels' thread count (default: every core this process may use).
+    expert_runner: what computes a GGUF model's routed experts (default: all resident, computed
+    from the mapped file); the offload store comes in here.
+    """
     path = Path(path)
     source: Any
+    gguf: GGUFFile | None = None
     if path.is_dir():
         weights: Any = SafetensorsWeights(path)
         config, source = weights.config, path
     elif path.exists():
-        source = GGUFFile.open(path)
+        source = gguf = GGUFFile.open(path)
         config = config_from_gguf(source)
         weights = GGUFWeights(source)
     else:
@@ -72,15 +90,17 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     build = family(config.arch).build
     if verbose_log is not None:
         weights = _LoggedWeights(weights, verbose_log)
+    kernels = CpuKernels(threads) if gguf is not None else None
     moe_layers = config.moe_layers
     experts: Any
-    if any(_stored_type(weights, i) == "MXFP4" for i in moe_layers):
-        experts = OnUseExperts(weights, moe_layers, config.expert_act)
+    if gguf is not None and (expert_runner is not None or _quantized_experts(gguf, moe_layers)):
+        experts = (expert_runner or QuantResidentExperts)(gguf, kernels, moe_layers, config.expert_act)
     else:
         experts = ResidentExperts.from_weights(weights, moe_layers, config.expert_act)
-    return build(config, source, weights, experts)
+    return build(config, source, BoundWeights(weights, gguf, kernels, verbose_log), experts)
 
 
-def _stored_type(weights: Any, layer: int) -> str:
-    name = f"blk.{layer}.ffn_down_exps.weight"
-    return weights.describe(name).type_name if weights.has(name) else ""
+def _quantized_experts(gguf: GGUFFile, layers: list[int]) -> bool:
+    """Whether any routed expert stack is stored in another type than F32."""
+    return any(part.ggml_type != GGMLQuantizationType.F32
+               for i in layers for part in ExpertLayout.from_file(gguf, i).matrices.values())

@@ -17,36 +17,35 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from moeswap.formats.config import ModelConfig
-from moeswap.models.blocks import AttentionSpec, Batch, Rope, attend, rms_norm
+from moeswap.models.blocks import AttentionSpec, Batch, Linear, Rope, attend, rms_norm
 
 
 @dataclass
 class MLAWeights:
-    wkv_a: torch.Tensor  # [L+R, D]
+    wkv_a: Linear  # [N, D] -> [N, L+R]
     kv_a_norm: torch.Tensor  # [L]
     wk_b: torch.Tensor  # [H, L, P]
     wv_b: torch.Tensor  # [H, V, L]
-    wo: torch.Tensor  # [D, H*V]
-    wq: torch.Tensor | None = None  # [H*(P+R), D] when there is no query compression
-    wq_a: torch.Tensor | None = None  # [Q, D]
+    wo: Linear  # [N, H*V] -> [N, D]
+    wq: Linear | None = None  # [N, D] -> [N, H*(P+R)] when there is no query compression
+    wq_a: Linear | None = None  # [N, D] -> [N, Q]
     q_a_norm: torch.Tensor | None = None  # [Q]
-    wq_b: torch.Tensor | None = None  # [H*(P+R), Q]
+    wq_b: Linear | None = None  # [N, Q] -> [N, H*(P+R)]
 
     @classmethod
     def from_weights(cls, weights: Any, layer: int) -> "MLAWeights":
         p = f"blk.{layer}."
         if weights.has(p + "attn_q.weight"):
-            query = dict(wq=weights.tensor(p + "attn_q.weight"))
+            query = dict(wq=weights.linear(p + "attn_q.weight"))
         else:
-            query = dict(wq_a=weights.tensor(p + "attn_q_a.weight"),
+            query = dict(wq_a=weights.linear(p + "attn_q_a.weight"),
                          q_a_norm=weights.tensor(p + "attn_q_a_norm.weight"),
-                         wq_b=weights.tensor(p + "attn_q_b.weight"))
-        return cls(weights.tensor(p + "attn_kv_a_mqa.weight"), weights.tensor(p + "attn_kv_a_norm.weight"),
+                         wq_b=weights.linear(p + "attn_q_b.weight"))
+        return cls(weights.linear(p + "attn_kv_a_mqa.weight"), weights.tensor(p + "attn_kv_a_norm.weight"),
                    weights.tensor(p + "attn_k_b.weight"), weights.tensor(p + "attn_v_b.weight"),
-                   weights.tensor(p + "attn_output.weight"), **query)
+                   weights.linear(p + "attn_output.weight"), **query)
 
 
 class MLAttention:
@@ -62,12 +61,12 @@ class MLAttention:
         """x [N, D] -> [N, D]."""
         w = self.w
         if w.wq is not None:
-            q = F.linear(x, w.wq)  # [N, H*(P+R)]
+            q = w.wq(x)  # [N, H*(P+R)]
         else:
-            q = F.linear(rms_norm(F.linear(x, w.wq_a), w.q_a_norm, self.eps), w.wq_b)  # [N, H*(P+R)]
+            q = w.wq_b(rms_norm(w.wq_a(x), w.q_a_norm, self.eps))  # [N, H*(P+R)]
         q = q.view(x.shape[0], self.n_head, self.n_nope + self.n_rot)  # [N, H, P+R]
         q_nope, q_pe = q[..., :self.n_nope], q[..., self.n_nope:]  # [N, H, P], [N, H, R]
-        kv = F.linear(x, w.wkv_a)  # [N, L+R]
+        kv = w.wkv_a(x)  # [N, L+R]
         latent = rms_norm(kv[:, :self.rank], w.kv_a_norm, self.eps)  # [N, L]
         k_pe = self.rope(kv[:, None, self.rank:], batch.positions)  # [N, 1, R]
         q_pe = self.rope(q_pe, batch.positions)
@@ -81,4 +80,4 @@ class MLAttention:
             out[start:end] = attend(self.spec, queries[start:end], keys, keys[..., :self.rank],
                                     cache.length)
         heads = torch.einsum("nhl,hvl->nhv", out, w.wv_b)  # [N, H, V]
-        return F.linear(heads.flatten(1), w.wo)  # [N, D]
+        return w.wo(heads.flatten(1))  # [N, D]

@@ -1,0 +1,68 @@
+"""Linear layers and embeddings as the model sees them: one call, whatever holds the weight.
+
+The loader chooses the kind per tensor: ``TorchLinear`` over a float tensor (HF folders, F32
+GGUF tensors: zero-copy views of the mapped file) or ``QuantLinear`` over a ggml kernel bound to
+the stored bytes (every other GGUF type; no float32 copy is ever made). The model calls
+``layer(x)`` and never knows which.
+
+Legend: N tokens, D input width, O output width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from moeswap.quant import QuantMatrix
+
+
+class TorchLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        self.weight = weight  # [O, D]
+        self.bias = bias  # [O]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, O]."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class QuantLinear:
+    """``x @ W.T (+ b)`` computed by ggml from W's stored bytes; activations are quantized on
+    the fly as llama.cpp does (docs/KERNELS.md gives the cost)."""
+
+    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None = None):
+        self.matrix = matrix
+        self.bias = bias  # [O]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, O]."""
+        y = self.matrix.matmul(x)  # [N, O]
+        return y if self.bias is None else y + self.bias
+
+
+class TorchEmbedding:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # [V, D]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] -> [N, D]."""
+        return F.embedding(ids, self.weight)
+
+
+class QuantEmbedding:
+    """Rows decoded from the stored bytes when looked up; the table is never decoded whole."""
+
+    def __init__(self, raw: memoryview, ggml_type: int, ne: tuple[int, int]):
+        self.ggml_type = GGMLQuantizationType(ggml_type)
+        block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        self.width = ne[0]
+        self.rows = np.frombuffer(raw, dtype=np.uint8).reshape(ne[1], ne[0] // block_size * type_size)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] -> [N, D] float32."""
+        picked = self.rows[ids.reshape(-1).numpy()]  # [N, row bytes]
+        return torch.from_numpy(np.ascontiguousarray(dequantize(picked, self.ggml_type),
+                                                     dtype=np.float32).reshape(-1, self.width))

@@ -1,0 +1,81 @@
+"""The weights the families build from: float tensors, plus linear layers and embeddings bound
+to whatever computes them best.
+
+``linear(name)`` is a ``QuantLinear`` over ggml kernels for every GGUF matrix not stored as F32
+(the stored bytes are computed on directly; no float32 copy is made) and a ``TorchLinear``
+otherwise (HF folders; F32 GGUF tensors, which are zero-copy views of the mapped file).
+``tensor(name)`` stays for the small float tensors (norms, routers, biases).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from gguf import GGMLQuantizationType
+
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.models.linear import QuantEmbedding, QuantLinear, TorchEmbedding, TorchLinear
+from moeswap.quant import CpuKernels
+
+
+class BoundWeights:
+    def __init__(self, weights: Any, gguf: GGUFFile | None = None, kernels: CpuKernels | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.weights = weights  # the float-tensor source (GGUFWeights or SafetensorsWeights)
+        self.gguf = gguf  # set for .gguf files: their quantized tensors go to the kernels
+        self.kernels = kernels
+        self.log = log
+        self._floats: dict[str, torch.Tensor] = {}  # a tied table serves embedding and output once
+
+    def _float(self, name: str) -> torch.Tensor:
+        if name not in self._floats:
+            self._floats[name] = self.weights.tensor(name)
+        return self._floats[name]
+
+    def has(self, name: str) -> bool:
+        return self.weights.has(name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.weights.tensor(name)
+
+    def describe(self, name: str):
+        return self.weights.describe(name)
+
+    def expert(self, layer: int, expert: int, kind: str) -> torch.Tensor:
+        return self.weights.expert(layer, expert, kind)
+
+    def experts(self, layer: int, kind: str) -> torch.Tensor:
+        return self.weights.experts(layer, kind)
+
+    def linear(self, name: str, bias: str | None = None) -> TorchLinear | QuantLinear:
+        """The matrix ``name`` ([out, in]) and, when the file has it, the bias ``bias``."""
+        b = self.weights.tensor(bias) if bias is not None and self.weights.has(bias) else None
+        info = self._stored_quantized(name)
+        if info is None:
+            return TorchLinear(self._float(name), b)
+        self._report(name)
+        return QuantLinear(self.kernels.matrix(self.gguf.tensor_bytes(info), info.type_id,
+                                               tuple(info.shape), name), b)
+
+    def embedding(self, name: str) -> TorchEmbedding | QuantEmbedding:
+        info = self._stored_quantized(name)
+        if info is None:
+            return TorchEmbedding(self._float(name))
+        self._report(name)
+        return QuantEmbedding(self.gguf.tensor_bytes(info), info.type_id, tuple(info.shape))
+
+    def _stored_quantized(self, name: str):
+        """The GGUF tensor info when ``name`` is a matrix to compute from its stored bytes."""
+        if self.gguf is None:
+            return None
+        self.weights.describe(name)  # raises the source's error for a missing or broken tensor
+        info = self.gguf.tensor(name)
+        return None if info.type_id == GGMLQuantizationType.F32 else info
+
+    def _report(self, name: str) -> None:
+        if self.log is not None:
+            d = self.weights.describe(name)
+            shape = "x".join(str(n) for n in d.shape)
+            self.log(f"{name}  {shape}  {d.type_name}  mapped file (computed by kernels)  "
+                     f"from {d.location}")
