@@ -4,6 +4,16 @@ The naive forward below is written from the GGUF alone, independently of the eng
 the file with gguf-py's GGUFReader, dequantizes with gguf-py, and runs the llama/Mixtral
 function in float64 with plain loops. Q8_0 and Q4_0 files come from ``moeswap convert``;
 K-quants and IQ4_XS from llama.cpp's own quantizer (``llama_model_quantize``).
+
+The engine computes quantized matrices with ggml, which rounds each input row to the type its
+dot product wants (Q8_0, Q8_1 or Q8_K; docs/KERNELS.md), as llama.cpp does: on the Q8_0 file
+moeswap's logits equal llama.cpp's bit for bit. That rounding costs NMSE 3e-5 to 5e-5 per
+product (KERNELS.md's table), which this float64 forward does not have, so the bound is on the
+logits' normalised mean squared error: 5e-4, the bound llama.cpp's test-backend-ops puts on one
+product. Measured here: Q8_0 7.6e-5, Q4_0 1.0e-4. The model is drawn with weights of std 0.02
+(as real checkpoints are initialised): at transformers' tiny-config 0.1 it is chaotic, a 3e-7
+relative change of one product's input moving later logits by 2 % (measured), so no bound
+there would say anything about the kernels.
 """
 
 from __future__ import annotations
@@ -82,14 +92,15 @@ def check_against_naive(path) -> None:
     model = load_model(path)
     out = model.forward([PROMPT], [model.new_cache()])[0].double()
     expected = naive_mixtral_logits(path, PROMPT.tolist())
-    assert float((out - expected).abs().max() / expected.abs().max()) <= 1e-4
+    assert float(((out - expected) ** 2).mean() / (expected ** 2).mean()) <= 5e-4
 
 
 @pytest.fixture(scope="module")
 def mixtral_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mixtral") / "hf"
     # 256-wide rows so that K-quants (256-element blocks) apply to every matrix.
-    tiny_models.save("mixtral", folder, hidden_size=256, intermediate_size=256)
+    tiny_models.save("mixtral", folder, hidden_size=256, intermediate_size=256,
+                     initializer_range=0.02)
     return folder
 
 
