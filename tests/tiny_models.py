@@ -5,7 +5,9 @@ OLMoE, whose llama.cpp loader wants a k-norm as wide as n_embd), Qwen2-MoE's gat
 expert, Qwen3-MoE's explicit head size and per-head q/k norms, Granite's multipliers and
 shared expert, Gemma 3's five local + one global layers with a 4-token window, DeepSeek-V2's
 MLA with query compression, a leading dense layer, 2 shared experts and a routed scaling factor,
-GPT-OSS's sinks, biases everywhere and alternating 4-token-window / global layers.
+GPT-OSS's sinks, biases everywhere and alternating 4-token-window / global layers, Gemma 4's
+MoE block beside the dense FFN, wider global heads with fewer kv heads and keys as values,
+proportional RoPE on a quarter of each global head.
 """
 
 from __future__ import annotations
@@ -61,11 +63,24 @@ def _configs():
                     dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                          num_local_experts=4, sliding_window=4,
                          rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **moe)),
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM,
+                   dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
+                        enable_moe_block=True, num_experts=4, top_k_experts=2,
+                        moe_intermediate_size=32, hidden_size_per_layer_input=0,
+                        num_kv_shared_layers=0, sliding_window=4, final_logit_softcapping=30.0,
+                        tie_word_embeddings=True,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "proportional",
+                                                            "partial_rotary_factor": 0.25,
+                                                            "rope_theta": 1000000.0}})),
     }
 
 
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3",
-            "deepseek2", "gpt_oss")
+            "deepseek2", "gpt_oss", "gemma4")
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -80,6 +95,15 @@ def build(family: str, seed: int = 0, **overrides):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
+    if family == "gemma4":
+        # Norms, router scales, per-expert scales and layer scalars all start at 1; spread them.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                    p.normal_(1.0, 0.3)
+            for name, b in model.named_buffers():
+                if name.endswith("layer_scalar"):
+                    b.uniform_(0.5, 1.5)
     if family == "gpt_oss":
         # Expert biases start at zero and sinks near it; make both matter. Larger expert
         # inputs make the SwiGLU clamps (|x| > 7) bite on some elements.

@@ -25,7 +25,7 @@ class ArchTraits:
     rope_neox: bool  # rotate (x[i], x[i + d/2]) pairs; otherwise adjacent pairs, as llama.cpp's NORM
     expert_weights_norm: bool  # llama.cpp's default renormalisation of the top-k weights
     swa_pattern: int = 0  # default sliding-window pattern: every n-th layer is global (0: none)
-    expert_act: str = "silu"  # routed experts' gated activation: silu | swiglu_oai (GPT-OSS)
+    expert_act: str = "silu"  # routed experts' gated activation: silu | gelu | swiglu_oai (GPT-OSS)
     gating: str = "softmax"  # softmax over all experts, or softmax_topk: top-k logits, then softmax
 
 
@@ -40,6 +40,7 @@ ARCH_TRAITS = {
     "deepseek2": ArchTraits(rope_neox=False, expert_weights_norm=False),
     "gpt-oss": ArchTraits(rope_neox=True, expert_weights_norm=False, swa_pattern=2,
                           expert_act="swiglu_oai", gating="softmax_topk"),
+    "gemma4": ArchTraits(rope_neox=True, expert_weights_norm=True, swa_pattern=6, expert_act="gelu"),
 }
 
 # HF ``architectures[0]`` -> GGUF ``general.architecture``.
@@ -56,6 +57,7 @@ HF_ARCHITECTURES = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "DeepseekV2ForCausalLM": "deepseek2",
     "GptOssForCausalLM": "gpt-oss",
+    "Gemma4ForCausalLM": "gemma4",
 }
 
 
@@ -96,6 +98,11 @@ class ModelConfig:
     kv_lora_rank: int = 0  # MLA: width of the cached latent; 0 means no MLA
     head_dim_k_mla: int = 0  # MLA: per-head query/key size after decompression (nope + rope)
     head_dim_v_mla: int = 0  # MLA: per-head value size after decompression
+    head_dim_swa: int = 0  # Gemma 4: head size of sliding-window layers (0: head_dim)
+    n_head_kv_swa: int = 0  # Gemma 4: kv heads of sliding-window layers (0: n_head_kv)
+    n_rot_swa: int = 0  # Gemma 4: rotated dims of sliding-window layers (0: head_dim_swa)
+    rope_partial: float = 1.0  # Gemma 4 global layers rotate this fraction of the head ("proportional"
+    # RoPE); a GGUF carries it as the rope_freqs tensor instead
     rope_neox: bool = field(init=False)
     expert_act: str = field(init=False)
     gating: str = field(init=False)
@@ -113,6 +120,9 @@ class ModelConfig:
             self.head_dim = self.n_embd // self.n_head
         if self.n_rot == 0:
             self.n_rot = self.head_dim
+        self.head_dim_swa = self.head_dim_swa or self.head_dim
+        self.n_head_kv_swa = self.n_head_kv_swa or self.n_head_kv
+        self.n_rot_swa = self.n_rot_swa or self.head_dim_swa
         if self.n_expert_shared and not self.n_ff_shexp:
             self.n_ff_shexp = self.n_ff_exp * self.n_expert_shared
         if self.attention_scale == 0.0:
@@ -163,14 +173,21 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         raise MoeswapError(f"{gguf_file.path}: tensor 'token_embd.weight' is missing")
     n_layer = int(required("block_count"))
     n_head = _uniform(gguf_file.path, f"{arch}.attention.head_count", required("attention.head_count"))
-    n_head_kv = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv",
-                         key("attention.head_count_kv", n_head))
     pattern = key("attention.sliding_window_pattern")
     swa_layers: tuple[bool, ...] = ()
     if isinstance(pattern, list):
         swa_layers = tuple(bool(p) for p in pattern)
     elif pattern is not None:
         swa_layers = tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layer))
+    kv_heads = key("attention.head_count_kv", n_head)
+    n_head_kv_swa = 0
+    if arch == "gemma4":
+        _check_gemma4_gguf(gguf_file.path, key)
+        if isinstance(kv_heads, list):  # one value per layer: sliding layers may differ from global
+            n_head_kv_swa = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv (sliding)",
+                                     [n for n, s in zip(kv_heads, swa_layers) if s])
+            kv_heads = [n for n, s in zip(kv_heads, swa_layers) if not s]
+    n_head_kv = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv", kv_heads)
     scaling_type = key("rope.scaling.type", "linear")
     rope_factor = float(key("rope.scaling.factor", 0.0) or 0.0)
     if scaling_type not in ("none", "linear") and rope_factor not in (0.0, 1.0):
@@ -185,6 +202,8 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         # MLA runs as MQA over the latent: key_length is the cached width, the scale uses
         # the decompressed per-head key size.
         attention_scale = 1.0 / math.sqrt(int(required("attention.key_length_mla")))
+    if arch == "gemma4":
+        embedding_scale, attention_scale = math.sqrt(n_embd), 1.0  # hard-coded in llama.cpp
     if arch == "gemma3":
         # Hard-coded in llama.cpp's gemma3 graph: embeddings times sqrt(n_embd), and the
         # 27B model (62 layers) scales queries by n_embd / n_head instead of the head size.
@@ -228,7 +247,17 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         kv_lora_rank=int(key("attention.kv_lora_rank", 0)),
         head_dim_k_mla=int(key("attention.key_length_mla", 0)),
         head_dim_v_mla=int(key("attention.value_length_mla", 0)),
+        head_dim_swa=int(key("attention.key_length_swa", 0)),
+        n_head_kv_swa=n_head_kv_swa,
+        n_rot_swa=int(key("rope.dimension_count_swa", 0)),
     )
+
+
+def _check_gemma4_gguf(path: Any, key: Callable[..., Any]) -> None:
+    """The Gemma 4 variants moeswap computes: no per-layer embeddings, no shared KV layers."""
+    if key("embedding_length_per_layer_input", 0) or key("attention.shared_kv_layers", 0):
+        raise MoeswapError(f"{path}: Gemma 4 with per-layer embeddings or shared KV layers "
+                           "(E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
 
 
 def _check_deepseek2_gguf(path: Any, key: Callable[..., Any]) -> None:
@@ -297,8 +326,10 @@ def _rope_factor(params: dict[str, Any], folder: Path) -> float:
         return 1.0
     if rope_type == "linear":
         return float(params["factor"])
+    if rope_type == "proportional":  # Gemma 4: linear scaling of the rotated part
+        return float(params.get("factor", 1.0))
     raise MoeswapError(f"{folder}/config.json: RoPE scaling '{rope_type}' is not supported "
-                       "(supported: default, linear)")
+                       "(supported: default, linear, proportional)")
 
 
 def config_from_hf(folder: str | Path) -> ModelConfig:
@@ -311,7 +342,7 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     window = hf.get("sliding_window") or 0
     layer_types = hf.get("layer_types")
     swa_layers: tuple[bool, ...] = ()
-    if arch not in ("gemma3", "gpt-oss"):
+    if arch not in ("gemma3", "gpt-oss", "gemma4"):
         window = window if hf.get("use_sliding_window") else 0
     elif layer_types:
         swa_layers = tuple(t == "sliding_attention" for t in layer_types)
@@ -327,6 +358,12 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
                            "(llama.cpp ignores it too)")
     attention_scale = 0.0
     mla: dict[str, Any] = {}
+    gemma4: dict[str, Any] = {}
+    if arch == "gemma4":
+        gemma4 = _gemma4_config(hf, folder, full, swa_layers)
+        n_expert = hf["num_experts"] if hf.get("enable_moe_block") else 0
+        n_ff_exp = hf["moe_intermediate_size"] if n_expert else 0
+        attention_scale = 1.0
     if arch == "deepseek2":
         _check_deepseek2_hf(hf, folder)
         mla = _mla_config(hf)
@@ -335,23 +372,22 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         attention_scale = hf.get("attention_multiplier") or 0.0
     elif arch == "gemma3":
         attention_scale = hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5
-    return ModelConfig(
+    fields = dict(
         arch=arch,
         n_vocab=hf["vocab_size"],
         n_embd=hf["hidden_size"],
         n_layer=n_layer,
         n_head=hf["num_attention_heads"],
-        n_head_kv=1 if mla else hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         n_ctx_train=hf.get("max_position_embeddings", 0),
         rms_eps=hf.get("rms_norm_eps", 1e-6),
-        n_ff=0 if n_expert and not n_dense_lead else hf["intermediate_size"],
-        head_dim=(mla["kv_lora_rank"] + mla["n_rot"] if mla
-                  else (hf.get("head_dim") or 0) if arch != "granitemoe" else 0),
+        n_ff=0 if n_expert and not n_dense_lead and arch != "gemma4" else hf["intermediate_size"],
+        head_dim=(hf.get("head_dim") or 0) if arch != "granitemoe" else 0,
         rope_base=float(full.get("rope_theta", 10000.0)),
         rope_scale=_rope_factor(full, folder),
         rope_base_swa=float(_rope(hf, "sliding_attention").get("rope_theta", 10000.0)),
         n_expert=n_expert,
-        n_expert_used=hf.get("num_experts_per_tok", 0) if n_expert else 0,
+        n_expert_used=(hf.get("num_experts_per_tok") or hf.get("top_k_experts") or 0) if n_expert else 0,
         n_ff_exp=n_ff_exp,
         n_ff_shexp=hf.get("shared_expert_intermediate_size") or hf.get("shared_intermediate_size") or 0,
         expert_weights_norm=(hf.get("norm_topk_prob")
@@ -363,14 +399,35 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         swa_layers=swa_layers,
         attention_scale=attention_scale,
         embedding_scale=(hf.get("embedding_multiplier") or 1.0) if arch == "granitemoe"
-        else (hf["hidden_size"] ** 0.5 if arch == "gemma3" else 1.0),
+        else (hf["hidden_size"] ** 0.5 if arch in ("gemma3", "gemma4") else 1.0),
         residual_scale=hf.get("residual_multiplier") or 1.0,
         logit_scale=hf.get("logits_scaling") or 1.0,
         final_logit_softcap=hf.get("final_logit_softcapping") or 0.0,
         attn_logit_softcap=hf.get("attn_logit_softcapping") or 0.0,
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        **mla,
     )
+    return ModelConfig(**{**fields, **mla, **gemma4})
+
+
+def _gemma4_config(hf: dict[str, Any], folder: Path, full_rope: dict[str, Any],
+                   swa_layers: tuple[bool, ...]) -> dict[str, Any]:
+    """Gemma 4's per-layer-type sizes: global layers may have larger heads and fewer kv heads."""
+    if hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers"):
+        raise MoeswapError(f"{folder}/config.json: Gemma 4 with per-layer embeddings or shared "
+                           "KV layers (E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
+    if hf.get("use_double_wide_mlp") or hf.get("use_bidirectional_attention"):
+        raise MoeswapError(f"{folder}/config.json: Gemma 4 with use_double_wide_mlp or "
+                           "bidirectional attention is not supported")
+    per_layer = hf.get("per_layer_config") or {}
+    full = next((per_layer.get(str(i), {}) for i, s in enumerate(swa_layers) if not s), {})
+    head_dim_full = hf.get("global_head_dim") or full.get("head_dim") or hf["head_dim"]
+    if full_rope.get("rope_type", "default") not in ("default", "proportional"):
+        raise MoeswapError(f"{folder}/config.json: Gemma 4 global RoPE "
+                           f"'{full_rope['rope_type']}' is not supported (supported: proportional)")
+    return dict(head_dim=head_dim_full, n_rot=head_dim_full, head_dim_swa=hf["head_dim"],
+                n_head_kv=full.get("num_key_value_heads") or hf["num_key_value_heads"],
+                n_head_kv_swa=hf["num_key_value_heads"],
+                rope_partial=float(full_rope.get("partial_rotary_factor", 1.0)))
 
 
 def _check_deepseek2_hf(hf: dict[str, Any], folder: Path) -> None:
@@ -385,7 +442,8 @@ def _check_deepseek2_hf(hf: dict[str, Any], folder: Path) -> None:
 
 def _mla_config(hf: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek MLA sizes: the cache holds one latent (kv_lora_rank + rope dims) per token."""
-    return dict(n_rot=hf["qk_rope_head_dim"],
+    return dict(head_dim=hf["kv_lora_rank"] + hf["qk_rope_head_dim"], n_head_kv=1,
+                n_rot=hf["qk_rope_head_dim"],
                 q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                 head_dim_k_mla=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
                 head_dim_v_mla=hf["v_head_dim"])

@@ -54,11 +54,15 @@ RULES = (
     NameRule(r"model\.norm\.weight", "output_norm.weight", "norm"),  # all
     NameRule(_L + r"input_layernorm\.weight", "blk.{layer}.attn_norm.weight", "norm"),  # all
     NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.post_attention_norm.weight",
-             "norm", ("gemma3", "gpt-oss")),  # Gemma 3: sandwich norm; GPT-OSS: the FFN's pre-norm
+             "norm", ("gemma3", "gpt-oss", "gemma4")),  # Gemma 3/4: sandwich norm; GPT-OSS: the FFN's pre-norm
     NameRule(_L + r"pre_feedforward_layernorm\.weight", "blk.{layer}.ffn_norm.weight",
-             "norm", ("gemma3",)),  # Gemma 3
+             "norm", ("gemma3", "gemma4")),  # Gemma 3/4
     NameRule(_L + r"post_feedforward_layernorm\.weight", "blk.{layer}.post_ffw_norm.weight",
-             "norm", ("gemma3",)),  # Gemma 3
+             "norm", ("gemma3", "gemma4")),  # Gemma 3/4
+    NameRule(_L + r"pre_feedforward_layernorm_2\.weight", "blk.{layer}.pre_ffw_norm_2.weight"),  # Gemma 4 MoE
+    NameRule(_L + r"post_feedforward_layernorm_1\.weight", "blk.{layer}.post_ffw_norm_1.weight"),  # Gemma 4 MoE
+    NameRule(_L + r"post_feedforward_layernorm_2\.weight", "blk.{layer}.post_ffw_norm_2.weight"),  # Gemma 4 MoE
+    NameRule(_L + r"layer_scalar", "blk.{layer}.layer_output_scale.weight"),  # Gemma 4
     NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.ffn_norm.weight"),  # others
     NameRule(_L + r"self_attn\.q_proj\.weight", "blk.{layer}.attn_q.weight", "q"),  # all
     NameRule(_L + r"self_attn\.k_proj\.weight", "blk.{layer}.attn_k.weight", "k"),  # all
@@ -104,6 +108,12 @@ RULES = (
     NameRule(_L + r"mlp\.experts\.gate_up_proj_bias", "blk.{layer}.ffn_up_exps.bias", "stacked+odd"),  # GPT-OSS
     NameRule(_L + r"mlp\.experts\.down_proj", "blk.{layer}.ffn_down_exps.weight", "stacked+t"),  # GPT-OSS
     NameRule(_L + r"mlp\.experts\.down_proj_bias", "blk.{layer}.ffn_down_exps.bias", "stacked"),  # GPT-OSS
+    NameRule(_L + r"router\.proj\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Gemma 4
+    NameRule(_L + r"router\.scale", "blk.{layer}.ffn_gate_inp.scale"),  # Gemma 4
+    NameRule(_L + r"router\.per_expert_scale", "blk.{layer}.ffn_down_exps.scale"),  # Gemma 4
+    NameRule(_L + r"experts\.gate_up_proj", "blk.{layer}.ffn_gate_exps.weight", "stacked+gate"),  # Gemma 4
+    NameRule(_L + r"experts\.gate_up_proj", "blk.{layer}.ffn_up_exps.weight", "stacked+up"),  # Gemma 4
+    NameRule(_L + r"experts\.down_proj", "blk.{layer}.ffn_down_exps.weight", "stacked"),  # Gemma 4
     NameRule(_L + r"block_sparse_moe\.router\.layer\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Granite-MoE
     NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_gate_exps.weight", "stacked+gate"),  # Granite-MoE
     NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_up_exps.weight", "stacked+up"),  # Granite-MoE

@@ -21,6 +21,7 @@ from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig, read_hf_config
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.gguf_tools.vocab_to_gguf import write_vocab
+from moeswap.models.gemma4 import proportional_rope_factors
 
 OUT_TYPES = {
     "f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
@@ -54,9 +55,13 @@ def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
     _write_metadata(writer, config, read_hf_config(folder), folder, out_type)
     n_tokens = write_vocab(writer, folder, config)
 
+    # Tensors the reference converter computes from the config (generate_extra_tensors).
+    extra = {}
+    if config.arch == "gemma4":
+        extra["rope_freqs.weight"] = proportional_rope_factors(config.head_dim, config.rope_partial)
     plan = []
-    for name in weights.names():
-        shape = weights.tensor_shape(name)
+    for name in [*extra, *weights.names()]:
+        shape = list(extra[name].shape) if name in extra else weights.tensor_shape(name)
         if name == "token_embd.weight" and config.arch == "gemma3":
             shape[0] = min(shape[0], n_tokens)  # the reference drops rows past the tokenizer
         qtype = tensor_type(name, shape, out_type)
@@ -69,7 +74,8 @@ def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for index, (name, shape, qtype) in enumerate(plan):
-        data = weights.tensor(name).numpy()[tuple(slice(0, n) for n in shape)]
+        data = (extra[name] if name in extra else weights.tensor(name)).numpy()
+        data = data[tuple(slice(0, n) for n in shape)]
         writer.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(data), qtype))
         if on_tensor is not None:
             on_tensor(name, index + 1, len(plan))
@@ -92,7 +98,8 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
     if "intermediate_size" in hf:
         writer.add_feed_forward_length(hf["intermediate_size"])
     writer.add_head_count(c.n_head)
-    writer.add_head_count_kv(c.n_head_kv)
+    if c.n_head_kv == c.n_head_kv_swa:  # else one value per layer (Gemma 4, below)
+        writer.add_head_count_kv(c.n_head_kv)
     if c.rope_scale != 1.0:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(c.rope_scale)
@@ -103,7 +110,7 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
     if c.is_moe:
         writer.add_expert_count(c.n_expert)
         writer.add_expert_used_count(c.n_expert_used)
-    if hf.get("head_dim") and c.arch not in ("granitemoe", "deepseek2"):
+    if hf.get("head_dim") and c.arch not in ("granitemoe", "deepseek2", "gemma4"):
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
     writer.add_file_type(OUT_TYPES[out_type][1])
@@ -117,6 +124,8 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         writer.add_expert_shared_feed_forward_length(c.n_ff_shexp)
     if c.arch == "deepseek2":
         _write_deepseek2(writer, c, hf)
+    if c.arch == "gemma4":
+        _write_gemma4(writer, c)
     if c.arch == "gpt-oss":
         writer.add_sliding_window(c.sliding_window)
         writer.add_expert_feed_forward_length(c.n_ff_exp)
@@ -164,6 +173,27 @@ def _write_deepseek2(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
     if c.expert_weights_norm:
         writer.add_expert_weights_norm(True)
     writer.add_rope_dimension_count(c.n_rot)
+
+
+def _write_gemma4(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
+    """Gemma4Model.set_gguf_parameters: sizes per layer type, proportional RoPE as rope_freqs."""
+    writer.add_rope_freq_base_swa(c.rope_base_swa)
+    if c.final_logit_softcap:
+        writer.add_final_logit_softcapping(c.final_logit_softcap)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_sliding_window_pattern(list(c.swa_layers))
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_key_length_swa(c.head_dim_swa)
+    writer.add_value_length_swa(c.head_dim_swa)
+    if c.is_moe:
+        writer.add_expert_feed_forward_length(c.n_ff_exp)
+    if c.n_head_kv != c.n_head_kv_swa:
+        writer.add_head_count_kv([c.n_head_kv_swa if s else c.n_head_kv for s in c.swa_layers])
+    writer.add_rope_dimension_count(c.n_rot)
+    writer.add_rope_dimension_count_swa(c.n_rot_swa)
 
 
 _LLAMA_CPP_NORM = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}

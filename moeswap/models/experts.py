@@ -1,9 +1,11 @@
-"""Expert runners: the resident one (every routed expert held stacked in memory) and one that
-reads each expert's stored bytes when it is used (MXFP4 files), both computing the same math.
+"""The float expert runner (every routed expert held stacked in memory; HF folders and F32 GGUF
+files) and the expert activations every runner shares.
 
-These are the simplest ``ExpertRunner``s; the offload work replaces them with a tiered store
-behind the same ``run`` call. An expert is everything the router's pick computes with: gate,
-up and down matrices plus, where the family has them, per-expert biases (GPT-OSS). Weights are
+Quantized GGUF experts (MXFP4 included) are computed from their stored bytes by
+``quant_experts``; the offload work replaces the runners with a tiered store behind the same
+``run`` call. An expert is everything the router's pick computes with: gate,
+up and down matrices plus, where the family has them, per-expert biases (GPT-OSS) and an
+output scale (Gemma 4's per_expert_scale, llama.cpp's ffn_down_exps.scale). Weights are
 whatever the weight source returns: zero-copy views of the mapped file for F32 GGUFs, decoded
 float32 otherwise.
 
@@ -34,13 +36,18 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return gate * torch.sigmoid(OAI_ALPHA * gate) * (up + 1)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "silu": swiglu, "swiglu_oai": swiglu_oai}
+    "silu": swiglu, "gelu": geglu, "swiglu_oai": swiglu_oai}
 
 
 @dataclass
 class Expert:
-    """One routed expert: matrices [F, D], [F, D], [D, F] and optional biases [F], [F], [D]."""
+    """One routed expert: matrices [F, D], [F, D], [D, F], optional biases [F], [F], [D] and
+    an optional output scale (a 0-dim tensor)."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -48,28 +55,35 @@ class Expert:
     gate_bias: torch.Tensor | None = None
     up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """x [M, D] -> [M, D]."""
         h = ACTIVATIONS[activation](F.linear(x, self.gate, self.gate_bias),
                                     F.linear(x, self.up, self.up_bias))  # [M, F]
-        return F.linear(h, self.down, self.down_bias)  # [M, D]
+        y = F.linear(h, self.down, self.down_bias)  # [M, D]
+        return y * self.scale if self.scale is not None else y
 
 
 @dataclass
-class LayerBiases:
-    """A layer's per-expert biases, stacked: gate/up [X, F], down [X, D]."""
+class LayerExtras:
+    """A layer's small per-expert tensors, stacked: biases gate/up [X, F], down [X, D]; scale [X]."""
 
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
 
     @classmethod
-    def from_weights(cls, weights: Any, layer: int) -> "LayerBiases | None":
-        names = [f"blk.{layer}.ffn_{kind}_exps.bias" for kind in ("gate", "up", "down")]
-        if not weights.has(names[0]):
-            return None
-        return cls(*(weights.tensor(name) for name in names))
+    def from_weights(cls, weights: Any, layer: int) -> "LayerExtras":
+        names = {"gate_bias": "ffn_gate_exps.bias", "up_bias": "ffn_up_exps.bias",
+                 "down_bias": "ffn_down_exps.bias", "scale": "ffn_down_exps.scale"}
+        return cls(**{field: weights.tensor(f"blk.{layer}.{name}")
+                      for field, name in names.items() if weights.has(f"blk.{layer}.{name}")})
+
+    def of(self, expert: int) -> dict[str, torch.Tensor]:
+        """The keyword arguments of ``Expert`` that this expert has."""
+        return {field: stacked[expert] for field, stacked in vars(self).items() if stacked is not None}
 
 
 def _run(fetch: Callable[[int], Expert], activation: str, x: torch.Tensor,
@@ -93,12 +107,12 @@ def _run(fetch: Callable[[int], Expert], activation: str, x: torch.Tensor,
 
 class ResidentExperts:
     def __init__(self, gate: dict[int, torch.Tensor], up: dict[int, torch.Tensor],
-                 down: dict[int, torch.Tensor], biases: dict[int, LayerBiases | None] | None = None,
+                 down: dict[int, torch.Tensor], extras: dict[int, LayerExtras] | None = None,
                  activation: str = "silu"):
         self.gate = gate  # layer -> [X, F, D]
         self.up = up  # layer -> [X, F, D]
         self.down = down  # layer -> [X, D, F]
-        self.biases = biases or {}
+        self.extras = extras or {}
         self.activation = activation
 
     @classmethod
@@ -106,35 +120,12 @@ class ResidentExperts:
         return cls({i: weights.experts(i, "gate") for i in layers},
                    {i: weights.experts(i, "up") for i in layers},
                    {i: weights.experts(i, "down") for i in layers},
-                   {i: LayerBiases.from_weights(weights, i) for i in layers}, activation)
+                   {i: LayerExtras.from_weights(weights, i) for i in layers}, activation)
 
     def expert(self, layer: int, expert: int) -> Expert:
-        b = self.biases.get(layer)
+        extras = self.extras.get(layer, LayerExtras())
         return Expert(self.gate[layer][expert], self.up[layer][expert], self.down[layer][expert],
-                      *((b.gate[expert], b.up[expert], b.down[expert]) if b else ()))
-
-    def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
-            weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
-        return _run(lambda e: self.expert(layer, e), self.activation, x, expert_ids, weights)
-
-
-class OnUseExperts:
-    """Decodes an expert from its stored bytes each time it is used; nothing is held in float32.
-
-    For files whose experts are MXFP4: a float32 copy would be 8x their size. Only the used
-    expert's bytes are read (``weights.expert``); the small per-expert biases stay resident.
-    """
-
-    def __init__(self, weights: Any, layers: list[int], activation: str = "silu"):
-        self.weights = weights
-        self.biases = {i: LayerBiases.from_weights(weights, i) for i in layers}
-        self.activation = activation
-
-    def expert(self, layer: int, expert: int) -> Expert:
-        b = self.biases[layer]
-        return Expert(*(self.weights.expert(layer, expert, kind) for kind in ("gate", "up", "down")),
-                      *((b.gate[expert], b.up[expert], b.down[expert]) if b else ()))
+                      **extras.of(expert))
 
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 A layer's routed experts are stored as stacks (GGUF ne ``(in, out, E)``): gate and up, or one
 fused gate_up (gate rows first), then down, plus per-expert bias vectors in some families
-(GPT-OSS). ``ExpertLayout`` describes where one expert's pieces lie in the file; the unit an
+(GPT-OSS) and a per-expert output scale (Gemma 4, ffn_down_exps.scale). ``ExpertLayout`` describes where one expert's pieces lie in the file; the unit an
 offload store moves is all of them together.
 
 ``routed_forward`` is the one place the MoE math happens, given a ``project`` function that
@@ -56,7 +56,7 @@ class ExpertPart:
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where a layer's experts lie: matrix parts (``gate_up`` or ``gate``, ``up``; ``down``)
-    and bias parts keyed by the matrix they follow."""
+    and vector parts: biases keyed by the matrix they follow, ``scale`` the output scale."""
 
     layer: int
     matrices: dict[str, ExpertPart]
@@ -102,6 +102,8 @@ class ExpertLayout:
                                    "the file is incomplete or not of this architecture")
             matrices[kind] = found
         biases = {k: b for k in kinds if (b := part(f"{p}{k}_exps.bias", 2)) is not None}
+        if (scale := part(f"{p}down_exps.scale", 1)) is not None:  # one number per expert
+            biases["scale"] = scale
         for b in biases.values():
             if b.ggml_type not in _VECTOR_DTYPES:
                 raise MoeswapError(f"{gguf.path}: '{b.name}' must be F32 or F16 to be used as a bias")
@@ -140,6 +142,8 @@ def _piece(layout: ExpertLayout, project: Project, bias: Bias, activation: str,
         gate, up = matrix("gate", x), matrix("up", x)  # [T, K, F]
     h = ACTIVATIONS[activation](gate, up).contiguous()  # [T, K, F]
     y = matrix("down", h)  # [T, K, D]
+    if "scale" in layout.biases:
+        y = y * bias("scale", ids)  # [T, K, 1]
     return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # [T, D]
 
 

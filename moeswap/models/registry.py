@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from moeswap.errors import MoeswapError
-from moeswap.models import deepseek2, gemma3, gpt_oss, granitemoe, llama, olmoe, qwen2moe, qwen3moe
+from moeswap.models import (deepseek2, gemma3, gemma4, gpt_oss, granitemoe, llama, olmoe, qwen2moe,
+                            qwen3moe)
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
@@ -16,6 +17,7 @@ FAMILIES: dict[str, ModuleType] = {
     "gemma3": gemma3,
     "deepseek2": deepseek2,
     "gpt-oss": gpt_oss,
+    "gemma4": gemma4,
 }
 
 
