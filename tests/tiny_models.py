@@ -4,8 +4,9 @@ Shapes are chosen to exercise what each family does differently: GQA everywhere 
 OLMoE, whose llama.cpp loader wants a k-norm as wide as n_embd), Qwen2-MoE's gated shared
 expert, Qwen3-MoE's explicit head size and per-head q/k norms, Granite's multipliers and
 shared expert, Gemma 3's five local + one global layers with a 4-token window, DeepSeek-V2's
-MLA with query compression, a leading dense layer, 2 shared experts and a routed scaling factor,
-GPT-OSS's sinks, biases everywhere and alternating 4-token-window / global layers, Gemma 4's
+MLA with query compression, a leading dense layer, 2 shared experts, a routed scaling factor and
+YaRN with DeepSeek's mscale, GPT-OSS's sinks, biases everywhere, YaRN (truncated: the form
+llama.cpp computes) and alternating 4-token-window / global layers, Gemma 4's
 MoE block beside the dense FFN, wider global heads with fewer kv heads and keys as values,
 proportional RoPE on a quarter of each global head.
 """
@@ -58,11 +59,18 @@ def _configs():
                            moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
                            n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=48,
                            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                           routed_scaling_factor=2.5, topk_method="greedy")),
+                           routed_scaling_factor=2.5, topk_method="greedy",
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64,
+                                            "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "mscale": 0.707, "mscale_all_dim": 0.707})),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                     dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                          num_local_experts=4, sliding_window=4,
-                         rope_parameters={"rope_type": "default", "rope_theta": 150000.0}, **moe)),
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                          "original_max_position_embeddings": 64,
+                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
+                         **moe)),
         "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM,
                    dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
                         num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,

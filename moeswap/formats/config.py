@@ -21,6 +21,24 @@ from moeswap.errors import MoeswapError
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling (GPT-OSS, DeepSeek-V2): frequencies blend interpolated (/ factor) and
+    original values along a ramp between the correction dims of beta_fast and beta_slow."""
+
+    factor: float
+    orig_ctx: int  # the pre-training context the correction dims are computed for
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # floor/ceil the correction dims (llama.cpp always does)
+    mscale: float = 1.0  # cos/sin multiplier ("attention factor")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
 class ArchTraits:
     rope_neox: bool  # rotate (x[i], x[i + d/2]) pairs; otherwise adjacent pairs, as llama.cpp's NORM
     expert_weights_norm: bool  # llama.cpp's default renormalisation of the top-k weights
@@ -76,6 +94,7 @@ class ModelConfig:
     n_rot: int = 0  # rotated dims per head; 0: head_dim
     rope_base: float = 10000.0
     rope_scale: float = 1.0  # linear scaling factor: positions are divided by it
+    yarn: Yarn | None = None  # YaRN scaling instead of linear
     rope_base_swa: float = 10000.0  # RoPE base of sliding-window layers
     n_expert: int = 0
     n_expert_used: int = 0
@@ -190,9 +209,10 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
     n_head_kv = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv", kv_heads)
     scaling_type = key("rope.scaling.type", "linear")
     rope_factor = float(key("rope.scaling.factor", 0.0) or 0.0)
-    if scaling_type not in ("none", "linear") and rope_factor not in (0.0, 1.0):
+    if scaling_type not in ("none", "linear", "yarn") and rope_factor not in (0.0, 1.0):
         raise MoeswapError(f"{gguf_file.path}: RoPE scaling '{scaling_type}' is not supported "
-                           "(supported: none, linear)")
+                           "(supported: none, linear, yarn)")
+    yarn = _yarn_from_gguf(gguf_file.path, key, arch) if scaling_type == "yarn" else None
     n_embd = int(required("embedding_length"))
     head_dim = int(key("attention.key_length", 0))
     embedding_scale = float(key("embedding_scale", 0.0) or 1.0)
@@ -200,8 +220,10 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
     if arch == "deepseek2":
         _check_deepseek2_gguf(gguf_file.path, key)
         # MLA runs as MQA over the latent: key_length is the cached width, the scale uses
-        # the decompressed per-head key size.
-        attention_scale = 1.0 / math.sqrt(int(required("attention.key_length_mla")))
+        # the decompressed per-head key size, times YaRN's mscale(mscale_all_dim) squared.
+        log_mul = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # the converter's 0.1x
+        mscale = yarn_mscale(yarn.factor, log_mul) if yarn else 1.0
+        attention_scale = mscale * mscale / math.sqrt(int(required("attention.key_length_mla")))
     if arch == "gemma4":
         embedding_scale, attention_scale = math.sqrt(n_embd), 1.0  # hard-coded in llama.cpp
     if arch == "gemma3":
@@ -224,6 +246,7 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         n_rot=int(key("rope.dimension_count", 0)),
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scale=rope_factor if scaling_type == "linear" and rope_factor else 1.0,
+        yarn=yarn,
         rope_base_swa=float(key("rope.freq_base_swa", 10000.0)),
         n_expert=int(key("expert_count", 0)),
         n_expert_used=int(key("expert_used_count", 0)),
@@ -258,6 +281,23 @@ def _check_gemma4_gguf(path: Any, key: Callable[..., Any]) -> None:
     if key("embedding_length_per_layer_input", 0) or key("attention.shared_kv_layers", 0):
         raise MoeswapError(f"{path}: Gemma 4 with per-layer embeddings or shared KV layers "
                            "(E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
+
+
+def _yarn_from_gguf(path: Any, key: Callable[..., Any], arch: str) -> Yarn | None:
+    """llama.cpp's YaRN: cos/sin times mscale(factor) * rope.scaling.attn_factor, except for
+    DeepSeek-V2 with a log multiplier, where llama.cpp takes mscale = mscale_all_dim (ratio 1)."""
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    if factor <= 1.0:
+        return None
+    orig_ctx = key("rope.scaling.original_context_length")
+    if not orig_ctx:
+        raise MoeswapError(f"{path}: YaRN RoPE scaling without "
+                           f"'{arch}.rope.scaling.original_context_length'")
+    deepseek_log_mul = arch == "deepseek2" and key("rope.scaling.yarn_log_multiplier", 0.0)
+    mscale = 1.0 if deepseek_log_mul else yarn_mscale(factor)
+    return Yarn(factor, int(orig_ctx), float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                float(key("rope.scaling.yarn_beta_slow", 1.0)), True,
+                mscale * float(key("rope.scaling.attn_factor", 1.0)))
 
 
 def _check_deepseek2_gguf(path: Any, key: Callable[..., Any]) -> None:
@@ -306,7 +346,7 @@ def hf_arch(hf: dict[str, Any], folder: Path) -> str:
                        f"(supported: {', '.join(HF_ARCHITECTURES)})")
 
 
-def _rope(hf: dict[str, Any], kind: str) -> dict[str, Any]:
+def hf_rope_parameters(hf: dict[str, Any], kind: str) -> dict[str, Any]:
     """RoPE parameters for 'full_attention' or 'sliding_attention' (transformers 4 and 5 layouts)."""
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and kind in params:
@@ -328,8 +368,10 @@ def _rope_factor(params: dict[str, Any], folder: Path) -> float:
         return float(params["factor"])
     if rope_type == "proportional":  # Gemma 4: linear scaling of the rotated part
         return float(params.get("factor", 1.0))
+    if rope_type == "yarn":  # not linear: see yarn_from_hf
+        return 1.0
     raise MoeswapError(f"{folder}/config.json: RoPE scaling '{rope_type}' is not supported "
-                       "(supported: default, linear, proportional)")
+                       "(supported: default, linear, proportional, yarn)")
 
 
 def config_from_hf(folder: str | Path) -> ModelConfig:
@@ -338,7 +380,7 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     hf = read_hf_config(folder)
     arch = hf_arch(hf, folder)
     n_layer = hf["num_hidden_layers"]
-    full = _rope(hf, "full_attention")
+    full = hf_rope_parameters(hf, "full_attention")
     window = hf.get("sliding_window") or 0
     layer_types = hf.get("layer_types")
     swa_layers: tuple[bool, ...] = ()
@@ -367,7 +409,10 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     if arch == "deepseek2":
         _check_deepseek2_hf(hf, folder)
         mla = _mla_config(hf)
-        attention_scale = mla["head_dim_k_mla"] ** -0.5
+        # YaRN's mscale(mscale_all_dim) squared joins the softmax scale (yarn_apply_mscale).
+        mscale_all = full.get("mscale_all_dim", 0) if full.get("rope_type") == "yarn" else 0
+        mscale = yarn_mscale(full.get("factor", 1.0), mscale_all) if mscale_all else 1.0
+        attention_scale = mscale * mscale * mla["head_dim_k_mla"] ** -0.5
     if arch == "granitemoe":
         attention_scale = hf.get("attention_multiplier") or 0.0
     elif arch == "gemma3":
@@ -385,7 +430,8 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
         head_dim=(hf.get("head_dim") or 0) if arch != "granitemoe" else 0,
         rope_base=float(full.get("rope_theta", 10000.0)),
         rope_scale=_rope_factor(full, folder),
-        rope_base_swa=float(_rope(hf, "sliding_attention").get("rope_theta", 10000.0)),
+        yarn=yarn_from_hf(full, hf) if full.get("rope_type") == "yarn" else None,
+        rope_base_swa=float(hf_rope_parameters(hf, "sliding_attention").get("rope_theta", 10000.0)),
         n_expert=n_expert,
         n_expert_used=(hf.get("num_experts_per_tok") or hf.get("top_k_experts") or 0) if n_expert else 0,
         n_ff_exp=n_ff_exp,
@@ -428,6 +474,20 @@ def _gemma4_config(hf: dict[str, Any], folder: Path, full_rope: dict[str, Any],
                 n_head_kv=full.get("num_key_value_heads") or hf["num_key_value_heads"],
                 n_head_kv_swa=hf["num_key_value_heads"],
                 rope_partial=float(full_rope.get("partial_rotary_factor", 1.0)))
+
+
+def yarn_from_hf(params: dict[str, Any], hf: dict[str, Any]) -> Yarn:
+    """transformers' _compute_yarn_parameters."""
+    orig = params["original_max_position_embeddings"]
+    factor = params.get("factor") or hf["max_position_embeddings"] / orig
+    mscale = params.get("attention_factor")
+    if mscale is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            mscale = yarn_mscale(factor, params["mscale"]) / yarn_mscale(factor, params["mscale_all_dim"])
+        else:
+            mscale = yarn_mscale(factor)
+    return Yarn(float(factor), int(orig), float(params.get("beta_fast") or 32.0),
+                float(params.get("beta_slow") or 1.0), bool(params.get("truncate", True)), float(mscale))
 
 
 def _check_deepseek2_hf(hf: dict[str, Any], folder: Path) -> None:

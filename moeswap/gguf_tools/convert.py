@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 
 from moeswap.errors import MoeswapError
-from moeswap.formats.config import ModelConfig, read_hf_config
+from moeswap.formats.config import ModelConfig, hf_rope_parameters, read_hf_config
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.gguf_tools.vocab_to_gguf import write_vocab
 from moeswap.models.gemma4 import proportional_rope_factors
@@ -103,6 +103,8 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
     if c.rope_scale != 1.0:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(c.rope_scale)
+    if c.yarn is not None:
+        _write_yarn(writer, c, hf)
     writer.add_rope_freq_base(c.rope_base)
     if c.arch == "gemma3":
         writer.add_rope_freq_base_swa(c.rope_base_swa)
@@ -153,6 +155,22 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
             writer.add_sliding_window(c.sliding_window)
         if c.swa_layers != _gemma3_default_pattern(c.n_layer):
             writer.add_sliding_window_pattern(list(c.swa_layers))
+
+
+def _write_yarn(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
+    """TextModel.set_gguf_parameters' YaRN keys. llama.cpp reads type, factor and original
+    context (and DeepSeek's log multiplier); it always truncates the correction dims, so a
+    transformers config with truncate=false (GPT-OSS) runs slightly differently there."""
+    params = hf_rope_parameters(hf, "full_attention")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(c.yarn.factor)
+    writer.add_rope_scaling_orig_ctx_len(c.yarn.orig_ctx)
+    if params.get("beta_fast") is not None:
+        writer.add_rope_scaling_yarn_beta_fast(params["beta_fast"])
+    if params.get("beta_slow") is not None:
+        writer.add_rope_scaling_yarn_beta_slow(params["beta_slow"])
+    if c.arch == "deepseek2" and params.get("mscale_all_dim") is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * params["mscale_all_dim"])  # reference's 0.1x
 
 
 def _write_deepseek2(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:

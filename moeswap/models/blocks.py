@@ -11,11 +11,14 @@ G = H / K query heads per kv head, E head size, R rotated dims per head, F FFN w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from moeswap.formats.config import Yarn
 
 
 # A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
@@ -75,23 +78,36 @@ class Batch:
 
 
 class Rope:
-    """Rotary position embedding: llama.cpp's NORM (adjacent pairs) or NeoX (halves) layout."""
+    """Rotary position embedding: llama.cpp's NORM (adjacent pairs) or NeoX (halves) layout,
+    with linear or YaRN scaling (ggml's rope_yarn: per pair, blend the interpolated and the
+    original frequency along a ramp over the correction dims; cos/sin times yarn.mscale)."""
 
     def __init__(self, n_rot: int, base: float, scale: float, neox: bool,
-                 freq_factors: torch.Tensor | None = None):
+                 freq_factors: torch.Tensor | None = None, yarn: Yarn | None = None):
         exponents = torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot
         inv_freq = base ** -exponents  # [R/2]
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.to(torch.float64)
         self.inv_freq = inv_freq / scale
+        self.mscale = 1.0
+        if yarn is not None:
+            low, high = (_yarn_corr_dim(n_rot, yarn.orig_ctx, beta, base)
+                         for beta in (yarn.beta_fast, yarn.beta_slow))
+            if yarn.truncate:
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, n_rot - 1)
+            pair = torch.arange(n_rot // 2, dtype=torch.float64)  # [R/2]
+            extrapolate = 1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)  # 1: keep original
+            self.inv_freq = inv_freq / yarn.factor * (1 - extrapolate) + inv_freq * extrapolate
+            self.mscale = yarn.mscale
         self.n_rot = n_rot
         self.neox = neox
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [N, H, E], positions [N] -> x rotated in its first R dims."""
         angles = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]  # [N, R/2]
-        cos = angles.cos().to(x.dtype)[:, None, :]  # [N, 1, R/2]
-        sin = angles.sin().to(x.dtype)[:, None, :]
+        cos = (angles.cos() * self.mscale).to(x.dtype)[:, None, :]  # [N, 1, R/2]
+        sin = (angles.sin() * self.mscale).to(x.dtype)[:, None, :]
         rot, rest = x[..., : self.n_rot], x[..., self.n_rot:]
         if self.neox:
             a, b = rot[..., : self.n_rot // 2], rot[..., self.n_rot // 2:]
@@ -100,6 +116,11 @@ class Rope:
             a, b = rot[..., 0::2], rot[..., 1::2]
             rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
         return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+
+
+def _yarn_corr_dim(n_rot: int, orig_ctx: int, n_rotations: float, base: float) -> float:
+    """The dim whose wavelength fits `n_rotations` times in the original context."""
+    return n_rot * math.log(orig_ctx / (n_rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
 @dataclass

@@ -105,7 +105,8 @@ def attention_spec(config: ModelConfig, layer: int) -> AttentionSpec:
 def rope(config: ModelConfig, weights: Any) -> Rope:
     """The model's RoPE; ``rope_freqs`` (Llama 3 scaling) divides the frequencies when present."""
     factors = weights.tensor("rope_freqs.weight") if weights.has("rope_freqs.weight") else None
-    return Rope(config.n_rot, config.rope_base, config.rope_scale, config.rope_neox, factors)
+    return Rope(config.n_rot, config.rope_base, config.rope_scale, config.rope_neox, factors,
+                config.yarn)
 
 
 def router(config: ModelConfig, weights: Any, layer: int) -> Router:
