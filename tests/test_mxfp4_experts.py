@@ -6,7 +6,7 @@ The tiny GPT-OSS is converted to f32, then its expert matrices are rewritten as 
 (``QuantResidentExperts``: no float32 copy), which round each expert input row to Q8_0 first,
 as llama.cpp does. So: moeswap and llama.cpp agree on both files; and moeswap on the MXFP4 file
 equals moeswap on the decoded file once the decoded run's expert inputs are rounded to Q8_0 the
-same way (that rounding is 3.3e-2 relative on this model's logits, whose clamped SwiGLU sees
+same way (that rounding is 3.0e-2 relative on this model's logits, whose clamped SwiGLU sees
 large inputs).
 """
 

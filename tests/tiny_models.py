@@ -67,7 +67,7 @@ def _configs():
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                     dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                          num_local_experts=4, sliding_window=4,
-                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                           "original_max_position_embeddings": 64,
                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
                          **moe)),
