@@ -355,6 +355,8 @@ def hf_rope_parameters(hf: dict[str, Any], kind: str) -> dict[str, Any]:
         return params
     legacy = dict(hf.get("rope_scaling") or {})
     legacy.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if "type" in legacy:  # transformers 4 named it "type" (DeepSeek-V2-Lite's config.json)
+        legacy.setdefault("rope_type", legacy["type"])
     if kind == "sliding_attention" and "rope_local_base_freq" in hf:
         legacy = {"rope_theta": hf["rope_local_base_freq"]}
     return legacy
