@@ -18,9 +18,10 @@ from moeswap.tokenizer import Tokenizer, load_tokenizer
 
 
 class Runtime:
-    def __init__(self, model: Any, tokenizer: Tokenizer):
+    def __init__(self, model: Any, tokenizer: Tokenizer, expert_runner: Any = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.expert_runner = expert_runner  # the offload store's factory, when one was asked for
         self.chat_template = (
             ChatTemplate(tokenizer.chat_template,
                          bos_token=tokenizer.token_text(tokenizer.bos_id),
@@ -30,6 +31,10 @@ class Runtime:
     @property
     def config(self):
         return self.model.config
+
+    def stats(self) -> dict:
+        """The expert store's metrics (moeswap.experts.store.ExpertStore.stats); {} without one."""
+        return self.expert_runner.stats() if self.expert_runner is not None else {}
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Text is tokenized with BOS as the model asks and special-token text parsed
@@ -94,7 +99,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
         torch.set_num_threads(threads)
     tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner)
-    return Runtime(model, tokenizer)
+    return Runtime(model, tokenizer, expert_runner)
 
 
 def peak_rss_bytes() -> int:

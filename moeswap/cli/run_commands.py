@@ -7,6 +7,8 @@ import sys
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from moeswap.cli.offload_args import add_offload_arguments, stats_lines, store_factory
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="generate text from a prompt, streamed")
@@ -22,6 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--verbose", action="store_true",
                    help="log each tensor as it is mapped: name, shape, type, where it lives")
+    add_offload_arguments(p)
     p.set_defaults(handler=run_generate)
 
 
@@ -47,7 +50,9 @@ def run_generate(args) -> int:
             if args.verbose:
                 progress.console.print(line, markup=False)
 
-        runtime = moeswap.load(args.model, threads=args.threads, verbose_log=on_tensor)
+        experts = store_factory(args, len(args.prompt.encode()) + 1 + args.n_predict)
+        runtime = moeswap.load(args.model, threads=args.threads, verbose_log=on_tensor,
+                               expert_runner=experts)
         loaded = progress.tasks[0]
         err.print(f"loaded {args.model}: {int(loaded.completed)} tensors in "
                   f"{loaded.elapsed:.1f} s", markup=False)
@@ -66,4 +71,6 @@ def run_generate(args) -> int:
               f" | decode: {stats.generated_tokens} tokens, "
               f"{stats.decode_tokens_per_second:.2f} tokens/s"
               f" | peak RSS: {peak_rss_bytes() / 2**20:.0f} MiB", markup=False)
+    for line in stats_lines(runtime.stats()):
+        err.print(line, markup=False)
     return 0

@@ -5,13 +5,12 @@ fused gate_up (gate rows first), then down, plus per-expert bias vectors in some
 (GPT-OSS) and a per-expert output scale (Gemma 4, ffn_down_exps.scale). ``ExpertLayout`` describes where one expert's pieces lie in the file; the unit an
 offload store moves is all of them together.
 
-``routed_forward`` is the one place the MoE math happens, given a ``project`` function that
-computes an expert part for every (token, pick). The resident runner here projects through whole
-stacks in the mapped file; the offload store projects each expert from wherever its bytes are.
-Both give bit-identical logits because ggml's ``mul_mat_id`` multiplies each expert's tokens as
-one group whatever stack holds the expert (docs/KERNELS.md, "Exactness across tiers"), and
-because both cut the batch into the same pieces of at most ``MAX_TOKENS_PER_CALL`` tokens and run
-the same torch code on the same shapes afterwards.
+The resident runner here multiplies through whole stacks in the mapped file; the offload store
+multiplies each expert from wherever its bytes are, as a one-expert stack. Both give
+bit-identical logits: ggml's ``mul_mat_id`` multiplies each expert's tokens as one group whatever
+stack holds the expert (docs/KERNELS.md, "Exactness across tiers"); both cut a batch into the
+same pieces of at most ``MAX_TOKENS_PER_CALL`` tokens (``token_pieces``); and the torch math
+between the products (``expert_hidden``, biases, ``combine``) runs per expert on the same shapes.
 
 Legend: N tokens, T tokens of one piece, K experts picked per token, D model width,
 F expert width, O a part's output width, X experts in the layer.
@@ -20,8 +19,6 @@ F expert width, O a part's output width, X experts in the layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 import torch
 
@@ -110,41 +107,50 @@ class ExpertLayout:
         return cls(layer, matrices, biases)
 
 
-# project(kind, x [T, in] or [T, K, in], ids [T, K]) -> [T, K, O]: one matrix part of the
-# picked experts; bias(kind, ids [T, K]) -> [T, K, O].
-Project = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
-Bias = Callable[[str, torch.Tensor], torch.Tensor]
+def group_picks(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """ids [T, K] -> per used expert, ascending: (expert, its picks as indices into T*K)."""
+    flat = ids.flatten()  # [T*K]
+    order = torch.argsort(flat, stable=True)  # [T*K] grouped by expert, tokens ascending
+    used, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    return list(zip(used.tolist(), order.split(counts.tolist())))
 
 
-def routed_forward(layout: ExpertLayout, project: Project, bias: Bias, activation: str,
-                   x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x [N, D], expert_ids/weights [N, K] -> sum_k weights * expert(x) [N, D]."""
-    out = torch.empty_like(x)
-    for start in range(0, x.shape[0], MAX_TOKENS_PER_CALL):
-        end = min(start + MAX_TOKENS_PER_CALL, x.shape[0])
-        out[start:end] = _piece(layout, project, bias, activation, x[start:end],
-                                expert_ids[start:end], weights[start:end])
-    return out
+def expert_hidden(layout: ExpertLayout, activation: str, first: torch.Tensor,
+                  up: torch.Tensor | None, biases: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One expert's hidden rows [M, F] from its gate_up rows [M, 2F] (``up`` None) or gate and
+    up rows [M, F] each; ``biases``: that expert's bias vectors by part.
 
-
-def _piece(layout: ExpertLayout, project: Project, bias: Bias, activation: str,
-           x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The same, for at most MAX_TOKENS_PER_CALL tokens: x [T, D], ids/weights [T, K] -> [T, D]."""
-    def matrix(kind: str, inputs: torch.Tensor) -> torch.Tensor:
-        y = project(kind, inputs, ids)  # [T, K, O]
-        return y + bias(kind, ids) if kind in layout.biases else y
-
-    if layout.fused:
-        gate_up = matrix("gate_up", x)  # [T, K, 2F]
-        half = gate_up.shape[-1] // 2
-        gate, up = gate_up[..., :half], gate_up[..., half:]  # [T, K, F] each
+    Every runner calls this per expert on exactly that expert's rows, so the elementwise
+    torch ops see the same shapes whatever the runner, and give the same bits.
+    """
+    if up is None:  # fused: gate rows first
+        if "gate_up" in biases:
+            first = first + biases["gate_up"]
+        half = first.shape[-1] // 2
+        gate, up = first[:, :half], first[:, half:]  # [M, F] each
     else:
-        gate, up = matrix("gate", x), matrix("up", x)  # [T, K, F]
-    h = ACTIVATIONS[activation](gate, up).contiguous()  # [T, K, F]
-    y = matrix("down", h)  # [T, K, D]
-    if "scale" in layout.biases:
-        y = y * bias("scale", ids)  # [T, K, 1]
-    return (y * weights[..., None].to(y.dtype)).sum(dim=1)  # [T, D]
+        gate = first + biases["gate"] if "gate" in biases else first
+        up = up + biases["up"] if "up" in biases else up
+    return ACTIVATIONS[activation](gate, up)  # [M, F]
+
+
+def expert_output(down: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One expert's output rows [M, D] from its down-projection rows: plus its down bias,
+    times its output scale, where the family has them (per expert, like ``expert_hidden``)."""
+    if "down" in vectors:
+        down = down + vectors["down"]
+    return down * vectors["scale"] if "scale" in vectors else down
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [T, K, D] per pick, weights [T, K] -> [T, D]."""
+    return (y * weights[..., None].to(y.dtype)).sum(dim=1)
+
+
+def token_pieces(n_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) pieces of at most MAX_TOKENS_PER_CALL tokens: every runner cuts a batch so,
+    because ggml's result for a token may depend on the other tokens of its call."""
+    return [(s, min(s + MAX_TOKENS_PER_CALL, n_tokens)) for s in range(0, n_tokens, MAX_TOKENS_PER_CALL)]
 
 
 class QuantResidentExperts:
@@ -168,11 +174,37 @@ class QuantResidentExperts:
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
-        return routed_forward(
-            self.layouts[layer],
-            lambda kind, inputs, ids: self._stacks[layer, kind].matmul(inputs, ids),
-            lambda kind, ids: self._biases[layer, kind][ids],
-            self.activation, x, expert_ids, weights)
+        out = torch.empty_like(x)
+        for start, end in token_pieces(x.shape[0]):
+            out[start:end] = self._piece(layer, x[start:end], expert_ids[start:end],
+                                         weights[start:end])
+        return out
+
+    def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] -> [T, D]: whole-stack products, per-expert torch math."""
+        layout, n_picks = self.layouts[layer], ids.numel()
+        kinds = ("gate_up",) if layout.fused else ("gate", "up")
+        firsts = [self._stacks[layer, kind].matmul(x, ids).view(n_picks, -1) for kind in kinds]
+        groups = group_picks(ids)
+        hidden = None
+        for expert, picks in groups:
+            rows = [f[picks] for f in firsts]  # [M, 2F] or [M, F] twice
+            h = expert_hidden(layout, self.activation, rows[0], rows[1] if len(rows) > 1 else None,
+                              self._expert_biases(layer, expert))  # [M, F]
+            if hidden is None:
+                hidden = x.new_empty(n_picks, h.shape[1])  # [T*K, F]
+            hidden[picks] = h
+        y = self._stacks[layer, "down"].matmul(hidden.view(*ids.shape, -1), ids)  # [T, K, D]
+        if layout.biases.keys() & {"down", "scale"}:
+            flat = y.view(n_picks, -1)  # [T*K, D]
+            for expert, picks in groups:
+                flat[picks] = expert_output(flat[picks], self._expert_biases(layer, expert))
+        return combine(y, weights)
+
+    def _expert_biases(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """One expert's vector pieces by kind: biases [O], scale [1]."""
+        return {kind: self._biases[layer, kind][expert] for kind in self.layouts[layer].biases}
 
 
 def _stack_bytes(gguf: GGUFFile, part: ExpertPart) -> memoryview:

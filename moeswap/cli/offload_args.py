@@ -1,0 +1,72 @@
+"""The expert-offload flags every model-running command shares, and the stats it prints.
+
+``--host-mem`` turns the expert store on; without it every routed expert is computed from the
+mapped file (all resident).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from moeswap.experts.cost import MISS_MODES
+
+
+def add_offload_arguments(p: argparse.ArgumentParser) -> None:
+    from moeswap.experts.store import POLICY_HELP
+
+    g = p.add_argument_group("expert offload (GGUF files)")
+    g.add_argument("--host-mem", metavar="SIZE",
+                   help="RAM budget, e.g. 8GiB: shared weights, the KV cache and host-tier experts; "
+                        "the other experts are read from the file when used (default: all in RAM)")
+    g.add_argument("--device-mem", metavar="SIZE", default="0",
+                   help="device-tier budget for experts (default 0: none)")
+    g.add_argument("--policy", default="lru", help=f"which experts stay: {POLICY_HELP} (lru)")
+    g.add_argument("--miss", choices=MISS_MODES, default="auto",
+                   help="on a miss: move the expert up a tier (transfer), compute it where it lies "
+                        "(compute), or let the cost model choose from `moeswap probe` rates (auto)")
+    g.add_argument("--expert-threshold", type=float, default=0.0, metavar="P",
+                   help="APPROXIMATION: skip picked experts whose routing weight is under P and "
+                        "rescale the rest (counted in the stats; default 0: off)")
+    g.add_argument("--cold-reads", action="store_true",
+                   help="drop read expert bytes from the page cache (for measuring the disk tier)")
+
+
+def store_factory(args, context_tokens: int):
+    """The expert runner the flags ask for, or None for all-resident."""
+    if args.host_mem is None:
+        return None
+    from moeswap.experts.options import parse_size
+    from moeswap.experts.store import ExpertStore, StoreOptions
+
+    device = parse_size(args.device_mem)
+    rates = None
+    if device and args.miss == "auto":
+        from moeswap.experts.probe import cached_rates
+
+        rates = cached_rates(args.threads)
+    return ExpertStore.factory(StoreOptions(
+        host_bytes=parse_size(args.host_mem), device_bytes=device, context_tokens=context_tokens,
+        policy=args.policy, miss=args.miss, threshold=args.expert_threshold,
+        cold_reads=args.cold_reads, rates=rates))
+
+
+def stats_lines(stats: dict) -> list[str]:
+    """A few readable lines: totals, tiers, then one line per layer."""
+    if not stats:
+        return []
+    t = stats["total"]
+    lines = [f"experts: {t['requests']} used, hit rate {t['hit_rate']:.1%} (device {t['device_hits']}, "
+             f"host {t['host_hits']}), disk misses {t['disk_misses']} ({t['disk_bytes'] / 2**20:.1f} MiB), "
+             f"transfers {t['transfers']}, computed in place {t['computed_in_place']}, evictions "
+             f"{t['device_evictions'] + t['host_evictions']}, stalled {t['stall_seconds']:.2f} s"]
+    if t["threshold_drops"]:
+        lines.append(f"expert threshold (approximation): {t['threshold_drops']} picks dropped, "
+                     f"{t['threshold_saved_bytes'] / 2**20:.1f} MiB not read")
+    for tier, s in stats["tiers"].items():
+        lines.append(f"{tier} tier: {s['experts_resident']}/{s['slots']} slots of "
+                     f"{s['slot_bytes']} bytes, holds {s['held_bytes'] / 2**20:.1f} MiB of "
+                     f"{s['budget_bytes'] / 2**20:.1f} MiB budget")
+    for layer, s in stats["layers"].items():
+        lines.append(f"  layer {layer}: hit rate {s['hit_rate']:.1%}, disk misses {s['disk_misses']}, "
+                     f"transfers {s['transfers']}, stalled {s['stall_seconds']:.3f} s")
+    return lines

@@ -1,0 +1,26 @@
+"""Turning user settings into store options: sizes like ``12GiB`` and the KV cache's share."""
+
+from __future__ import annotations
+
+import re
+
+from moeswap.errors import MoeswapError
+from moeswap.formats.config import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+          "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
+          "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'12GiB', '512MiB', '1.5GB', '4096' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise MoeswapError(f"cannot read {text!r} as a size; write e.g. 512MiB, 12GiB or 4096")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def kv_bytes_per_token(config: ModelConfig) -> int:
+    """float32 keys and values of every layer for one position (an upper bound where layers
+    share a cache or cache a compressed latent)."""
+    return 2 * config.n_layer * config.n_head_kv * config.head_dim * 4

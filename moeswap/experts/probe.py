@@ -1,0 +1,96 @@
+"""``moeswap probe``: measure this machine's rates for the cost model, and cache them.
+
+Measured: cold reads of a scratch file (written, synced, dropped from the page cache with
+``posix_fadvise DONTNEED``, then read with ``pread``), a RAM copy (the link on a CPU-only
+machine), and a one-token Q8_0 product through the CPU kernels (bytes of weights per second).
+The result is cached as JSON (default ``~/.cache/moeswap/probe.json``) keyed by host name and
+thread count, and reused until ``refresh`` is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from moeswap.experts.cost import Rates
+from moeswap.quant import CpuKernels, quantize_rows
+
+DEFAULT_CACHE = Path.home() / ".cache" / "moeswap" / "probe.json"
+_SIZE = 64 << 20  # bytes per measurement: large enough to leave the CPU caches
+
+
+def _best_seconds(action, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_disk_read(folder: str | os.PathLike | None = None) -> float:
+    """Cold pread bandwidth of a scratch file in ``folder`` (default: the temp folder)."""
+    block = np.random.default_rng(0).integers(0, 256, _SIZE, dtype=np.uint8)
+    target = np.empty_like(block)
+    with tempfile.NamedTemporaryFile(dir=folder) as f:
+        f.write(block.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+        def read():
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, _SIZE, os.POSIX_FADV_DONTNEED)
+            view, done = memoryview(target), 0
+            while done < _SIZE:
+                done += os.preadv(f.fileno(), [view[done:]], done)
+
+        return _SIZE / _best_seconds(read, 3)
+
+
+def measure_ram_copy() -> float:
+    source = np.ones(_SIZE, dtype=np.uint8)
+    target = np.empty_like(source)
+    return _SIZE / _best_seconds(lambda: np.copyto(target, source))
+
+
+def measure_cpu_compute(kernels: CpuKernels) -> float:
+    """Bytes of Q8_0 weights per second in a one-token product."""
+    rows, width = 4096, 4096
+    values = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
+    raw = quantize_rows(values, GGMLQuantizationType.Q8_0)
+    matrix = kernels.matrix(raw, GGMLQuantizationType.Q8_0, (width, rows), "probe")
+    x = torch.ones(1, width)
+    matrix.matmul(x)  # builds the graph
+    return raw.nbytes / _best_seconds(lambda: matrix.matmul(x), 10)
+
+
+def probe(threads: int | None = None, folder: str | os.PathLike | None = None) -> Rates:
+    kernels = CpuKernels(threads)
+    compute = measure_cpu_compute(kernels)
+    return Rates(disk_read=measure_disk_read(folder), link=measure_ram_copy(),
+                 host_compute=compute, device_compute=compute)
+
+
+def _key(threads: int | None) -> str:
+    return f"{platform.node()} threads={threads or 'all'}"
+
+
+def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
+                 refresh: bool = False) -> Rates:
+    """The rates measured before on this machine, measuring (and caching) them when there are none."""
+    entries = json.loads(cache.read_text()) if cache.exists() else {}
+    key = _key(threads)
+    if refresh or key not in entries:
+        entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(entries, indent=1))
+    return Rates(**entries[key])

@@ -1,0 +1,315 @@
+"""The expert store: routed experts kept in tiers under byte budgets, behind ``run``.
+
+Tiers, fastest first: ``device`` slots, ``host`` slots (both fixed ``SlotPool``s holding experts
+in their stored, quantized form; on a CPU-only machine both are RAM and compute-ready as they
+are), and ``disk`` (the model file, read with ``pread``). Each tier with slots has a cache policy
+from ``moeswap.experts.policies`` (the same classes the trace simulator replays) over keys
+``(layer, expert)``; the policy decides residency, the store moves bytes to match it.
+
+For every expert a layer step needs, in ascending id order, the store:
+
+1. uses the device slot when the device policy holds the expert (a device hit);
+2. otherwise finds the bytes: a host slot (a host hit) or the file (a disk miss, read into a
+   host slot when the host policy admits it, else into a staging slot);
+3. asks the cost model (``MissPlanner``) whether to move the expert into a device slot
+   ("transfer", when the device policy admits it) or compute it where its bytes are ("compute");
+4. computes the expert at once, as a one-expert stack, on exactly the tokens that picked it.
+
+Every product goes through ggml's ``mul_mat_id`` on the same token groups as the resident
+runner, so logits are bit-identical to the fully resident model at any budget and with any
+policy (docs/OFFLOAD.md). ``threshold`` (``--expert-threshold``) is an opt-in approximation:
+picks with a routing weight under it are dropped and the rest rescaled, and it is counted.
+
+Legend: N tokens, T tokens of one piece, K picks per token, D model width, F expert width,
+M picks of one expert.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeswap.errors import MoeswapError
+from moeswap.experts import policies as p
+from moeswap.experts.cost import MissPlanner, Rates
+from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.stats import LayerStats, total
+from moeswap.experts.tiers import DiskReader, SlotPool, piece_offsets, slot_bytes
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.models.quant_experts import (ExpertLayout, combine, expert_hidden, expert_output,
+                                          group_picks, token_pieces)
+from moeswap.quant import CpuKernels, QuantExperts
+
+POLICY_HELP = ("lru, lfu, lfuda, arc, s3fifo, window:N (fewest uses in the last N requests), "
+               "admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the "
+               "profile's hot (layer, expert) set pinned, LRU for the other slots)")
+_BIAS_DTYPES = {0: torch.float32, 1: torch.float16}
+
+
+def live_policy(spec: str, capacity: int) -> p.CachePolicy:
+    """The policy ``spec`` names (POLICY_HELP) with room for ``capacity`` experts."""
+    name, _, arg = spec.partition(":")
+    plain = {"lru": p.LRU, "lfu": p.LFU, "lfuda": p.LFUDA, "arc": p.ARC, "s3fifo": p.S3FIFO}
+    if name in plain and not arg:
+        return plain[name](capacity)
+    if name in ("window", "admit") and arg.isdigit() and int(arg) > 0:
+        if name == "window":
+            return p.SlidingWindow(capacity, int(arg))
+        return p.AdmitAfter(p.LRU(capacity), int(arg))
+    if name == "pinned" and arg:
+        from moeswap.routing.profile import Profile  # only this policy needs a profile
+
+        hot = [tuple(key) for key in Profile.load(arg).hot][:capacity]
+        return p.Pinned(hot, p.LRU(capacity - len(hot)))
+    raise MoeswapError(f"unknown expert policy {spec!r}; choose from {POLICY_HELP}")
+
+
+def routed_bytes(gguf: GGUFFile, layers: list[int]) -> int:
+    return sum(ExpertLayout.from_file(gguf, i).expert_bytes * ExpertLayout.from_file(gguf, i).n_experts
+               for i in layers)
+
+
+def shared_bytes(gguf: GGUFFile, layers: list[int]) -> int:
+    """Bytes of every tensor that is not a routed expert: they stay in fast memory."""
+    return sum(t.n_bytes for t in gguf.tensors) - routed_bytes(gguf, layers)
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    host_bytes: int  # budget of the host tier; shared weights and the KV cache count in it
+    device_bytes: int = 0  # budget of the device tier (0: no device slots)
+    context_tokens: int = 0  # positions the KV cache must hold: charged to the host budget
+    policy: str = "lru"
+    miss: str = "auto"
+    threshold: float = 0.0  # --expert-threshold: drop picks weighted under it (approximation)
+    cold_reads: bool = False  # drop read bytes from the page cache (for measurements)
+    rates: Rates | None = None  # None: the cost model gets the rates of a CPU-only machine
+
+
+# Rates used when none are measured: a CPU-only machine, where computing in place always wins.
+CPU_ONLY_RATES = Rates(disk_read=1e9, link=1e10, host_compute=1e10, device_compute=1e10)
+
+
+class _Slot:
+    """An expert's pieces bound in one slot: one-expert stacks and bias vectors (views)."""
+
+    def __init__(self, kernels: CpuKernels, layout: ExpertLayout, slot: np.ndarray):
+        self.matrices: dict[str, QuantExperts] = {}
+        self.biases: dict[str, torch.Tensor] = {}
+        kinds = [*layout.matrices, *layout.biases]  # the order of layout.parts
+        for kind, part, offset in zip(kinds, layout.parts, piece_offsets(layout)):
+            raw = slot[offset:offset + part.expert_bytes]
+            if part.is_matrix:
+                self.matrices[kind] = kernels.experts(raw, part.ggml_type, (*part.ne, 1), part.name)
+            else:
+                self.biases[kind] = torch.from_numpy(raw).view(_BIAS_DTYPES[part.ggml_type]).view(-1)
+
+
+class ExpertStore:
+    def __init__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int], activation: str,
+                 options: StoreOptions):
+        self.kernels, self.activation, self.options = kernels, activation, options
+        self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
+        self.slot_size = slot_bytes(list(self.layouts.values()))
+        self.shared_bytes = shared_bytes(gguf, layers)
+        self.kv_bytes = kv_bytes_per_token(config_from_gguf(gguf)) * options.context_tokens
+        charged = self.shared_bytes + self.kv_bytes
+        if options.host_bytes < charged:
+            raise MoeswapError(
+                f"--host-mem {options.host_bytes} bytes is below the shared weights "
+                f"({self.shared_bytes} bytes) plus the KV cache ({self.kv_bytes} bytes); "
+                f"give at least {charged + self.slot_size} bytes")
+        host_slots = (options.host_bytes - charged) // self.slot_size if self.slot_size else 0
+        device_slots = options.device_bytes // self.slot_size if self.slot_size else 0
+        self.budgets = {"host": options.host_bytes, "device": options.device_bytes}
+        self.charged = {"host": charged, "device": 0}
+        self.pools = {"device": SlotPool("device", device_slots, self.slot_size),
+                      "host": SlotPool("host", host_slots, self.slot_size)}
+        self.policies = {tier: live_policy(options.policy, pool.n_slots)
+                         for tier, pool in self.pools.items()}
+        self.staging = SlotPool("staging", 1, self.slot_size)
+        self.slots: dict[str, dict[tuple[int, int], int]] = {"device": {}, "host": {}}
+        self.disk = DiskReader(gguf.path, cold=options.cold_reads)
+        self.planner = MissPlanner(options.miss, options.rates or CPU_ONLY_RATES)
+        self.layer_stats = {i: LayerStats() for i in layers}
+        self._bound: dict[tuple[str, int, int], _Slot] = {}
+        for tier, policy in self.policies.items():
+            for key in sorted(policy.resident()):  # pre-filled policies (a pinned hot set)
+                self._load(tier, key, self._read_from_disk(key, self.layer_stats[key[0]]))
+
+    @classmethod
+    def factory(cls, options: StoreOptions) -> "StoreFactory":
+        """What ``load_model(expert_runner=...)`` takes."""
+        return StoreFactory(options)
+
+    # -- the runner interface -------------------------------------------------------------
+
+    def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
+        out = torch.empty_like(x)
+        for start, end in token_pieces(x.shape[0]):
+            out[start:end] = self._piece(layer, x[start:end], expert_ids[start:end],
+                                         weights[start:end])
+        return out
+
+    def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids/weights [T, K] -> [T, D]."""
+        layout, stats, top_k = self.layouts[layer], self.layer_stats[layer], ids.shape[1]
+        keep = None
+        if self.options.threshold > 0:
+            weights, keep = self._threshold(layout, ids, weights, stats)
+        groups = [(e, picks if keep is None else picks[keep[picks]]) for e, picks in group_picks(ids)]
+        groups = [(e, picks) for e, picks in groups if picks.numel()]
+        self.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
+                                 if (layer, e) not in self.policies["device"]])
+        y = x.new_zeros(ids.numel(), x.shape[1])  # [T*K, D]
+        for expert, picks in groups:
+            stats.requests += 1
+            bound = self._serve(layer, expert, picks.numel(), stats)
+            rows = x[picks // top_k]  # [M, D]
+            zeros = torch.zeros(rows.shape[0], 1, dtype=torch.int32)  # [M, 1]: the only expert
+            vectors = {k: b.float() for k, b in bound.biases.items()}
+            if layout.fused:
+                h = expert_hidden(layout, self.activation,
+                                  bound.matrices["gate_up"].matmul(rows, zeros)[:, 0], None, vectors)
+            else:
+                h = expert_hidden(layout, self.activation,
+                                  bound.matrices["gate"].matmul(rows, zeros)[:, 0],
+                                  bound.matrices["up"].matmul(rows, zeros)[:, 0], vectors)  # [M, F]
+            down = bound.matrices["down"].matmul(h, zeros)[:, 0]  # [M, D]
+            y[picks] = expert_output(down, vectors)
+        return combine(y.view(*ids.shape, -1), weights)
+
+    def _threshold(self, layout: ExpertLayout, ids: torch.Tensor, weights: torch.Tensor,
+                   stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drop picks weighted under the threshold (never a token's top pick); rescale the rest
+        to the original sum. -> (weights [T, K], kept [T*K] bool)."""
+        keep = weights >= self.options.threshold  # [T, K]
+        keep[torch.arange(ids.shape[0]), weights.argmax(dim=1)] = True
+        kept = torch.where(keep, weights, torch.zeros_like(weights))
+        scaled = kept * (weights.sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True))
+        dropped = int((~keep).sum())
+        if dropped:
+            stats.threshold_drops += dropped
+            before = set(ids.flatten().tolist())
+            after = set(ids[keep].tolist())
+            stats.threshold_saved_bytes += len(before - after) * layout.expert_bytes
+        return scaled, keep.flatten()
+
+    # -- residency -------------------------------------------------------------------------
+
+    def _serve(self, layer: int, expert: int, n_tokens: int, stats: LayerStats) -> _Slot:
+        key = (layer, expert)
+        device = self.policies["device"]
+        if key in device:
+            device.access(key)
+            stats.device_hits += 1
+            return self._binding("device", key)
+        host = self.policies["host"]
+        if key in host:
+            host.access(key)
+            stats.host_hits += 1
+            source = ("host", self.slots["host"][key])
+        else:
+            stats.disk_misses += 1
+            step = host.access(key)
+            staged = self._read_from_disk(key, stats)
+            if step.admitted:
+                self._evict("host", step.evicted, stats)
+                source = ("host", self._load("host", key, staged))
+            else:
+                source = ("staging", 0)
+        if self.pools["device"].n_slots and \
+                self.planner.choose(self.layouts[layer].expert_bytes, n_tokens) == "transfer":
+            step = device.access(key)
+            if step.admitted:
+                self._evict("device", step.evicted, stats)
+                started = time.perf_counter()
+                self._load("device", key, self._slot_array(*source))
+                stats.stall_seconds += time.perf_counter() - started
+                stats.transfers += 1
+                stats.transfer_bytes += self.layouts[layer].expert_bytes
+                return self._binding("device", key)
+        stats.computed_in_place += 1
+        return self._bound_slot(source[0], source[1], layer)
+
+    def _read_from_disk(self, key: tuple[int, int], stats: LayerStats) -> np.ndarray:
+        """Read an expert into the staging slot; returns that slot."""
+        layout, slot = self.layouts[key[0]], self.staging.slot(0)
+        before = self.disk.stats.seconds
+        self.disk.read_expert(layout, key[1], slot)
+        stats.stall_seconds += self.disk.stats.seconds - before
+        stats.disk_bytes += layout.expert_bytes
+        return slot
+
+    def _load(self, tier: str, key: tuple[int, int], source: np.ndarray) -> int:
+        """Copy an expert's bytes into a free slot of ``tier``; returns the slot."""
+        pool = self.pools[tier]
+        index = pool.take(key)
+        pool.slot(index)[:] = source
+        self.slots[tier][key] = index
+        return index
+
+    def _evict(self, tier: str, key, stats: LayerStats) -> None:
+        if key is None:
+            return
+        self.pools[tier].release(self.slots[tier].pop(key))
+        if tier == "device":
+            stats.device_evictions += 1
+        else:
+            stats.host_evictions += 1
+
+    def _slot_array(self, pool: str, index: int) -> np.ndarray:
+        return (self.staging if pool == "staging" else self.pools[pool]).slot(index)
+
+    def _binding(self, tier: str, key: tuple[int, int]) -> _Slot:
+        return self._bound_slot(tier, self.slots[tier][key], key[0])
+
+    def _bound_slot(self, pool: str, index: int, layer: int) -> _Slot:
+        """The slot's bytes bound as this layer's expert layout; bound once per slot and layout."""
+        layout = self.layouts[layer]
+        signature = hash(tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts))
+        key = (pool, index, signature)
+        if key not in self._bound:
+            self._bound[key] = _Slot(self.kernels, layout, self._slot_array(pool, index))
+        return self._bound[key]
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes each tier really holds: its pool, allocated once, plus what is charged to it."""
+        return {tier: self.pools[tier].nbytes + self.charged[tier] for tier in self.pools}
+
+    def stats(self) -> dict:
+        return {
+            "total": total(self.layer_stats).as_dict(),
+            "layers": {i: s.as_dict() for i, s in self.layer_stats.items()},
+            "tiers": {tier: {"budget_bytes": self.budgets[tier], "held_bytes": held,
+                             "slots": self.pools[tier].n_slots, "slot_bytes": self.slot_size,
+                             "experts_resident": len(self.slots[tier])}
+                      for tier, held in self.held_bytes().items()},
+            "shared_bytes": self.shared_bytes, "kv_bytes": self.kv_bytes,
+        }
+
+
+
+class StoreFactory:
+    """Builds the store when the loader asks (``expert_runner``) and keeps it for ``stats``."""
+
+    def __init__(self, options: StoreOptions):
+        self.options = options
+        self.store: ExpertStore | None = None
+
+    def __call__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int],
+                 activation: str) -> ExpertStore:
+        self.store = ExpertStore(gguf, kernels, layers, activation, self.options)
+        return self.store
+
+    def stats(self) -> dict:
+        return self.store.stats() if self.store is not None else {}

@@ -1,0 +1,114 @@
+"""Where an expert's bytes can be: a slot of a fixed pool in RAM, or the model file on disk.
+
+A ``SlotPool`` is one buffer allocated once and cut into equal slots, each able to hold any
+expert of the model in its stored (quantized) form: all of its pieces (gate and up or fused
+gate_up, down, biases) at 32-byte-aligned offsets, which ggml requires of weights. Pools never
+grow or shrink, so there is no allocator churn per token and no fragmentation.
+
+``DiskReader`` reads an expert's pieces from the model file with ``pread`` into a slot.
+With ``cold=True`` it drops what it read from the page cache (``posix_fadvise DONTNEED``), so
+that measured disk reads are disk reads and not RAM copies; budgets never count the page cache.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeswap.models.quant_experts import ExpertLayout
+
+ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+def piece_offsets(layout: ExpertLayout) -> list[int]:
+    """Offsets of the layout's pieces (``layout.parts`` order) inside a slot."""
+    offsets, at = [], 0
+    for part in layout.parts:
+        offsets.append(at)
+        at += _aligned(part.expert_bytes)
+    return offsets
+
+
+def slot_bytes(layouts: list[ExpertLayout]) -> int:
+    """A slot big enough for the largest expert of any layer, pieces aligned."""
+    return max((sum(_aligned(p.expert_bytes) for p in layout.parts) for layout in layouts),
+               default=0)
+
+
+class SlotPool:
+    """``n_slots`` slots of ``slot_size`` bytes in one buffer, allocated once."""
+
+    def __init__(self, name: str, n_slots: int, slot_size: int):
+        self.name = name
+        self.n_slots, self.slot_size = n_slots, slot_size
+        spare = np.empty(n_slots * slot_size + ALIGNMENT, dtype=np.uint8)
+        start = -spare.ctypes.data % ALIGNMENT
+        self.buffer = spare[start:start + n_slots * slot_size]  # [n_slots * slot_size]
+        self._free = list(range(n_slots - 1, -1, -1))
+        self.holder: dict[int, object] = {}  # slot -> key of the expert it holds
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this pool holds (its whole buffer, used or not)."""
+        return self.buffer.nbytes
+
+    def slot(self, index: int) -> np.ndarray:
+        return self.buffer[index * self.slot_size:(index + 1) * self.slot_size]
+
+    def take(self, key) -> int:
+        index = self._free.pop()
+        self.holder[index] = key
+        return index
+
+    def release(self, index: int) -> None:
+        del self.holder[index]
+        self._free.append(index)
+
+
+@dataclass
+class ReadStats:
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class DiskReader:
+    """Reads experts' pieces from the model file into slots, with ``pread``."""
+
+    def __init__(self, path: str | os.PathLike, cold: bool = False):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.cold = cold and hasattr(os, "posix_fadvise")
+        self.stats = ReadStats()
+
+    def read_expert(self, layout: ExpertLayout, expert: int, slot: np.ndarray) -> None:
+        started = time.perf_counter()
+        for part, offset in zip(layout.parts, piece_offsets(layout)):
+            start = part.data_start + expert * part.expert_bytes
+            self._read_into(slot[offset:offset + part.expert_bytes], start)
+            if self.cold:
+                os.posix_fadvise(self.fd, start, part.expert_bytes, os.POSIX_FADV_DONTNEED)
+            self.stats.bytes += part.expert_bytes
+        self.stats.seconds += time.perf_counter() - started
+
+    def _read_into(self, target: np.ndarray, offset: int) -> None:
+        view = memoryview(target)
+        done = 0
+        while done < len(view):
+            if hasattr(os, "preadv"):
+                n = os.preadv(self.fd, [view[done:]], offset + done)
+            else:  # platforms without preadv: one copy more
+                chunk = os.pread(self.fd, len(view) - done, offset + done)
+                n = len(chunk)
+                view[done:done + n] = chunk
+            if n == 0:
+                raise EOFError(f"model file ends before byte {offset + len(view)}")
+            done += n
+
+    def close(self) -> None:
+        os.close(self.fd)

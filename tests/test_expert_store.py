@@ -1,0 +1,172 @@
+"""The expert store: logits bit-identical to the fully resident model at every budget, policy
+and miss mode, for every MoE family's tiny model in Q8_0 and Q4_0; budgets that hold; metrics.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tiny_models
+from moeswap.errors import MoeswapError
+from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+from moeswap.experts.tiers import piece_offsets, slot_bytes
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.gguf_tools.convert import convert
+from moeswap.models import load_model
+from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
+from moeswap.quant import CpuKernels
+
+MOE_FAMILIES = [f for f in tiny_models.FAMILIES if f != "gemma3"]  # gemma3 is dense: no experts
+PROMPT = torch.randint(0, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(5))
+POLICIES = ["lru", "lfu", "lfuda", "arc", "s3fifo", "window:4", "admit:2"]
+
+
+@pytest.fixture(scope="module", params=[(f, t) for f in MOE_FAMILIES for t in ("q8_0", "q4_0")],
+                ids=lambda ft: f"{ft[0]}-{ft[1]}")
+def quantized_file(request, tmp_path_factory):
+    family, out_type = request.param
+    folder = tmp_path_factory.mktemp(f"{family}-{out_type}-")
+    tiny_models.save(family, folder / "hf")
+    return convert(folder / "hf", folder / f"model.{out_type}.gguf", out_type)
+
+
+def plan(path) -> tuple[int, int, list[int], int]:
+    """(shared bytes, slot bytes, MoE layers, experts per layer) of a file."""
+    gguf = GGUFFile.open(path)
+    layers = config_from_gguf(gguf).moe_layers
+    layouts = [ExpertLayout.from_file(gguf, i) for i in layers]
+    return shared_bytes(gguf, layers), slot_bytes(layouts), layers, layouts[0].n_experts
+
+
+def decode_logits(model) -> torch.Tensor:
+    """A prefill of 8 tokens, then 4 decode steps: [12, V]."""
+    cache = model.new_cache()
+    parts = [model.forward([PROMPT[:8]], [cache])[0]]
+    parts += [model.forward([PROMPT[i:i + 1]], [cache])[0] for i in range(8, 12)]
+    return torch.cat(parts)
+
+
+def store_model(path, host_slots: int, device_slots: int = 0, **options):
+    """(model, its store's factory) with room for that many experts per tier."""
+    shared, slot, _, _ = plan(path)
+    factory = ExpertStore.factory(StoreOptions(
+        host_bytes=shared + host_slots * slot, device_bytes=device_slots * slot, **options))
+    return load_model(path, expert_runner=factory), factory
+
+
+def test_store_logits_are_bitwise_the_resident_models(quantized_file):
+    expected = decode_logits(load_model(quantized_file, expert_runner=QuantResidentExperts))
+    _, _, layers, n_experts = plan(quantized_file)
+    everything = len(layers) * n_experts
+    # host slots, device slots, policy, miss: one expert per layer up to everything, each miss
+    # mode; the policies take turns across the families (every one runs in the property test).
+    turn = MOE_FAMILIES.index(quantized_file.parent.name.split("-")[0]) % len(POLICIES)
+    grid = [(len(layers), 0, POLICIES[turn], "compute"),
+            (0, len(layers), POLICIES[(turn + 1) % len(POLICIES)], "transfer"),
+            (len(layers), 2 * len(layers), POLICIES[(turn + 2) % len(POLICIES)], "auto"),
+            (everything, everything, "lru", "transfer")]
+    for host_slots, device_slots, policy, miss in grid:
+        model, factory = store_model(quantized_file, host_slots, device_slots, policy=policy,
+                                     miss=miss)
+        assert torch.equal(decode_logits(model), expected), (host_slots, device_slots, policy, miss)
+        assert factory.stats()["total"]["requests"] > 0
+
+
+def test_misses_are_counted_by_tier(quantized_file):
+    _, _, layers, n_experts = plan(quantized_file)
+    model, factory = store_model(quantized_file, len(layers) * n_experts)
+    decode_logits(model)
+    total = factory.stats()["total"]
+    # Every expert is read from disk once, then stays in its host slot.
+    assert total["disk_misses"] <= len(layers) * n_experts
+    assert total["disk_misses"] + total["host_hits"] == total["requests"]
+    assert total["device_hits"] == total["transfers"] == 0
+    model, factory = store_model(quantized_file, 0, len(layers) * n_experts, miss="transfer")
+    decode_logits(model)
+    total = factory.stats()["total"]
+    assert total["transfers"] == total["disk_misses"]
+    assert total["device_hits"] + total["disk_misses"] == total["requests"]
+
+
+def test_budget_below_the_shared_weights_is_refused(quantized_file):
+    shared, _, _, _ = plan(quantized_file)
+    with pytest.raises(MoeswapError, match="below the shared weights"):
+        load_model(quantized_file, expert_runner=ExpertStore.factory(StoreOptions(shared - 1)))
+
+
+def test_threshold_is_an_approximation_that_is_counted(quantized_file):
+    _, _, layers, n_experts = plan(quantized_file)
+    model, factory = store_model(quantized_file, len(layers) * n_experts, threshold=0.45)
+    decode_logits(model)
+    total = factory.stats()["total"]
+    assert total["threshold_drops"] > 0
+
+
+@pytest.fixture(scope="module")
+def mixtral_q8(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("store_property")
+    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_budgets_hold_and_accounting_equals_the_bytes_held(mixtral_q8, data):
+    gguf = GGUFFile.open(mixtral_q8)
+    shared, slot, layers, n_experts = plan(mixtral_q8)
+    everything = len(layers) * n_experts
+    host_budget = shared + data.draw(st.integers(0, (everything + 1) * slot), label="host extra")
+    device_budget = data.draw(st.integers(0, (everything + 1) * slot), label="device budget")
+    options = StoreOptions(host_bytes=host_budget, device_bytes=device_budget,
+                           policy=data.draw(st.sampled_from(POLICIES)),
+                           miss=data.draw(st.sampled_from(["auto", "compute", "transfer"])))
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu", options)
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    file_bytes = np.memmap(mixtral_q8, dtype=np.uint8, mode="r")
+    for _ in range(data.draw(st.integers(1, 6), label="steps")):
+        layer = data.draw(st.sampled_from(layers))
+        n_tokens = data.draw(st.integers(1, 5))
+        ids = torch.tensor([data.draw(st.permutations(range(n_experts)))[:2] for _ in range(n_tokens)])
+        weights = torch.rand(n_tokens, 2)
+        x = torch.randn(n_tokens, 64)
+        assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
+        held = store.held_bytes()
+        for tier, budget in (("host", host_budget), ("device", device_budget)):
+            assert held[tier] <= budget
+            assert set(store.slots[tier]) == store.policies[tier].resident()
+            assert len(store.slots[tier]) <= store.pools[tier].n_slots
+            for (lay, expert), index in store.slots[tier].items():  # the bytes are that expert's
+                layout = store.layouts[lay]
+                in_slot = store.pools[tier].slot(index)
+                for part, offset in zip(layout.parts, piece_offsets(layout)):
+                    start = part.data_start + expert * part.expert_bytes
+                    assert np.array_equal(in_slot[offset:offset + part.expert_bytes],
+                                          file_bytes[start:start + part.expert_bytes])
+        assert held["host"] == store.pools["host"].nbytes + shared
+
+
+def test_run_command_reports_the_store(tmp_path, capsys):
+    from gguf_builders import mixtral
+
+    from moeswap.cli import main
+
+    path = mixtral().write(tmp_path / "mixtral.gguf")
+    shared, slot, layers, _ = plan(path)
+    kv = kv_bytes_per_token(config_from_gguf(GGUFFile.open(path))) * (len("abc") + 1 + 3)
+    args = ["run", str(path), "-p", "abc", "-n", "3", "--temp", "0", "--policy", "lfu",
+            "--host-mem", str(shared + kv + len(layers) * slot)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^experts: \d+ used, hit rate", err, re.M), err
+    assert re.search(rf"^host tier: \d+/{len(layers)} slots of {slot} bytes", err, re.M), err
+    assert "layer 1: hit rate" in err
+    assert main(["run", str(path), "-p", "abc", "--host-mem", "1KiB"]) == 2
+    assert "below the shared weights" in capsys.readouterr().err
