@@ -17,7 +17,7 @@ import torch
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import (Attention, AttentionSpec, AttentionWeights, Batch, DenseFFN,
                                    KVCache, Linear, Rope, rms_norm)
-from moeswap.models.moe import Router
+from moeswap.models.moe import DecisionRecorder, Router
 
 Layer = Callable[[torch.Tensor, Batch], torch.Tensor]
 
@@ -41,13 +41,14 @@ class PreNormLayer:
 class CausalLM:
     def __init__(self, config: ModelConfig, source: Any,
                  embedding: Callable[[torch.Tensor], torch.Tensor], layers: list[Layer],
-                 output_norm: torch.Tensor, output: Linear):
+                 output_norm: torch.Tensor, output: Linear, recorder: DecisionRecorder | None = None):
         self.config = config
         self.source = source  # the GGUFFile or HF folder the weights come from
         self.embedding = embedding  # ids [N] -> [N, D]
         self.layers = layers
         self.output_norm = output_norm  # [D]
         self.output = output  # [N, D] -> [N, V]; over the embedding table when tied
+        self.recorder = recorder  # told the batch layout; the MoE blocks hand it their decisions
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config.n_layer)
@@ -67,6 +68,8 @@ class CausalLM:
         if c.embedding_scale != 1.0:
             x = x * c.embedding_scale
         batch = Batch(positions, spans, caches)
+        if self.recorder is not None:
+            self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
         for layer in self.layers:
             x = layer(x, batch)
         logits = self.output(rms_norm(x, self.output_norm, c.rms_eps))  # [N, V]
@@ -123,7 +126,8 @@ def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) ->
                     weights.linear(f"{p}down{suffix}.weight"), gelu)
 
 
-def assemble(config: ModelConfig, source: Any, weights: Any, layers: list[Layer]) -> CausalLM:
+def assemble(config: ModelConfig, source: Any, weights: Any, layers: list[Layer],
+             recorder: DecisionRecorder | None = None) -> CausalLM:
     output = weights.linear("output.weight" if weights.has("output.weight") else "token_embd.weight")
     return CausalLM(config, source, weights.embedding("token_embd.weight"), layers,
-                    weights.tensor("output_norm.weight"), output)
+                    weights.tensor("output_norm.weight"), output, recorder)

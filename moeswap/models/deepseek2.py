@@ -12,10 +12,11 @@ from typing import Any
 from moeswap.formats.config import ModelConfig
 from moeswap.models.causal_lm import CausalLM, PreNormLayer, assemble, dense_ffn, rope, router
 from moeswap.models.mla import MLAttention, MLAWeights
-from moeswap.models.moe import ExpertRunner, MoEBlock, SharedExpert
+from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, SharedExpert
 
 
-def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner) -> CausalLM:
+def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
+          recorder: DecisionRecorder | None = None) -> CausalLM:
     rotary = rope(config, weights)
     layers = []
     for i in range(config.n_layer):
@@ -24,7 +25,7 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner)
             ffn: Any = dense_ffn(weights, i)
         else:
             ffn = MoEBlock(i, router(config, weights, i), experts,
-                           SharedExpert(dense_ffn(weights, i, "_shexp")))
+                           SharedExpert(dense_ffn(weights, i, "_shexp")), recorder)
         layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), attention,
                                    weights.tensor(f"blk.{i}.ffn_norm.weight"), ffn, config.rms_eps))
-    return assemble(config, source, weights, layers)
+    return assemble(config, source, weights, layers, recorder)

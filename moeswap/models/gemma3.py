@@ -14,6 +14,7 @@ import torch
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import Attention, Batch, DenseFFN, Rope, rms_norm
 from moeswap.models.causal_lm import CausalLM, assemble, attention_spec, attention_weights, dense_ffn
+from moeswap.models.moe import DecisionRecorder
 
 
 @dataclass
@@ -33,7 +34,8 @@ class SandwichLayer:
         return h + rms_norm(f, self.post_ffn_norm, self.eps)
 
 
-def build(config: ModelConfig, source: Any, weights: Any, experts: Any) -> CausalLM:
+def build(config: ModelConfig, source: Any, weights: Any, experts: Any,
+          recorder: DecisionRecorder | None = None) -> CausalLM:
     c = config
     global_rope = Rope(c.n_rot, c.rope_base, c.rope_scale, neox=True)
     local_rope = Rope(c.n_rot, c.rope_base_swa, 1.0, neox=True)
@@ -46,4 +48,4 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: Any) -> Causa
             weights.tensor(p + "attn_norm.weight"), attention,
             weights.tensor(p + "post_attention_norm.weight"), weights.tensor(p + "ffn_norm.weight"),
             dense_ffn(weights, i, gelu=True), weights.tensor(p + "post_ffw_norm.weight"), c.rms_eps))
-    return assemble(config, source, weights, layers)
+    return assemble(config, source, weights, layers, recorder)

@@ -25,7 +25,7 @@ import torch
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import AttentionSpec, Batch, DenseFFN, Rope, attend, rms_norm
 from moeswap.models.causal_lm import CausalLM, assemble, dense_ffn
-from moeswap.models.moe import ExpertRunner, Router
+from moeswap.models.moe import DecisionRecorder, ExpertRunner, Router
 
 NO_ROTATION = 1e30  # llama.cpp's frequency factor for the dims proportional RoPE leaves alone
 
@@ -72,11 +72,14 @@ class Gemma4MoE:
     pre_norm: torch.Tensor  # [D] pre_ffw_norm_2
     experts: ExpertRunner
     eps: float
+    recorder: DecisionRecorder | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h [N, D] (the layer's residual) -> [N, D]."""
         route_in = rms_norm(h, 1.0, self.eps) * (1.0 / math.sqrt(h.shape[-1])) * self.router_scale
         ids, weights = self.router(route_in)
+        if self.recorder is not None:
+            self.router.report(self.recorder, self.layer, route_in, ids, weights)
         return self.experts.run(self.layer, rms_norm(h, self.pre_norm, self.eps), ids, weights)
 
 
@@ -100,7 +103,8 @@ class Gemma4Layer:
         return out * self.out_scale if self.out_scale is not None else out
 
 
-def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner) -> CausalLM:
+def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
+          recorder: DecisionRecorder | None = None) -> CausalLM:
     c = config
     factors = (weights.tensor("rope_freqs.weight") if weights.has("rope_freqs.weight")
                else proportional_rope_factors(c.head_dim, c.rope_partial))
@@ -120,10 +124,10 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner)
             norm_names += ["post_ffw_norm_1", "post_ffw_norm_2"]
             router = Router(weights.tensor(p + "ffn_gate_inp.weight"), c.n_expert_used, normalize=True)
             moe = Gemma4MoE(i, router, weights.tensor(p + "ffn_gate_inp.scale"),
-                            weights.tensor(p + "pre_ffw_norm_2.weight"), experts, c.rms_eps)
+                            weights.tensor(p + "pre_ffw_norm_2.weight"), experts, c.rms_eps, recorder)
         norms = {name: weights.tensor(f"{p}{name}.weight") for name in norm_names}
         out_scale = p + "layer_output_scale.weight"
         layers.append(Gemma4Layer(norms, attention, dense_ffn(weights, i, gelu=True), moe,
                                   weights.tensor(out_scale) if weights.has(out_scale) else None,
                                   c.rms_eps))
-    return assemble(config, source, weights, layers)
+    return assemble(config, source, weights, layers, recorder)

@@ -20,7 +20,7 @@ from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
-from moeswap.models.moe import ExpertRunner
+from moeswap.models.moe import DecisionRecorder, ExpertRunner
 from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
 from moeswap.models.registry import family
 from moeswap.models.weight_binding import BoundWeights
@@ -67,13 +67,14 @@ ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRun
 
 
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
-               threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None
-               ) -> CausalLM:
+               threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None,
+               recorder: DecisionRecorder | None = None) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
     expert_runner: what computes a GGUF model's routed experts (default: all resident, computed
     from the mapped file); the offload store comes in here.
+    recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
     """
     path = Path(path)
     source: Any
@@ -97,7 +98,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         experts = (expert_runner or QuantResidentExperts)(gguf, kernels, moe_layers, config.expert_act)
     else:
         experts = ResidentExperts.from_weights(weights, moe_layers, config.expert_act)
-    return build(config, source, BoundWeights(weights, gguf, kernels, verbose_log), experts)
+    return build(config, source, BoundWeights(weights, gguf, kernels, verbose_log), experts, recorder)
 
 
 def _quantized_experts(gguf: GGUFFile, layers: list[int]) -> bool:
