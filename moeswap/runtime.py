@@ -79,7 +79,7 @@ class Runtime:
 
 def load(path: str | os.PathLike, *, threads: int | None = None,
          verbose_log: Callable[[str], None] | None = None, expert_runner: Any = None,
-         tokenizer_cache_dir: str | os.PathLike | None = None) -> Runtime:
+         tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -87,6 +87,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     verbose_log: called with one line per tensor as it is mapped (name, shape, type, where).
     expert_runner: what computes a GGUF model's routed experts (moeswap.models.load_model).
     tokenizer_cache_dir: where converted GGUF tokenizers are kept (default ~/.cache/moeswap).
+    recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
     """
     from moeswap.models import load_model
 
@@ -98,7 +99,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
             raise MoeswapError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
-    model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner)
+    model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
+                       recorder=recorder)
     return Runtime(model, tokenizer, expert_runner)
 
 
