@@ -5,7 +5,8 @@ OLMoE, whose llama.cpp loader wants a k-norm as wide as n_embd), Qwen2-MoE's gat
 expert, Qwen3-MoE's explicit head size and per-head q/k norms, Granite's multipliers and
 shared expert, Gemma 3's five local + one global layers with a 4-token window, DeepSeek-V2's
 MLA with query compression, a leading dense layer, 2 shared experts, a routed scaling factor and
-YaRN with DeepSeek's mscale, GPT-OSS's sinks, biases everywhere, YaRN (truncated: the form
+YaRN with DeepSeek's mscale (and the V2-Lite form: no query compression, which llama.cpp
+recognises only at 26 or 27 layers; 24 of them dense to keep it fast), GPT-OSS's sinks, biases everywhere, YaRN (truncated: the form
 llama.cpp computes) and alternating 4-token-window / global layers, Gemma 4's
 MoE block beside the dense FFN, wider global heads with fewer kv heads and keys as values,
 proportional RoPE on a quarter of each global head.
@@ -64,6 +65,16 @@ def _configs():
                                             "original_max_position_embeddings": 64,
                                             "beta_fast": 32.0, "beta_slow": 1.0,
                                             "mscale": 0.707, "mscale_all_dim": 0.707})),
+        "deepseek2_lite": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
+                      dict(COMMON, num_hidden_layers=26, num_key_value_heads=4, intermediate_size=96,
+                           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+                           n_shared_experts=2, first_k_dense_replace=24, q_lora_rank=None,
+                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                           routed_scaling_factor=2.5, topk_method="greedy",
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 64,
+                                            "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "mscale": 0.707, "mscale_all_dim": 0.707})),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                     dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                          num_local_experts=4, sliding_window=4,
@@ -88,7 +99,7 @@ def _configs():
 
 
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3",
-            "deepseek2", "gpt_oss", "gemma4")
+            "deepseek2", "deepseek2_lite", "gpt_oss", "gemma4")
 
 
 def build(family: str, seed: int = 0, **overrides):
