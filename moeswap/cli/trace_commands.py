@@ -1,18 +1,32 @@
-"""`moeswap stats`, `simulate`, `profile`, `import-trace`: parse arguments, call moeswap.routing."""
+"""`moeswap trace`, `stats`, `simulate`, `profile`, `import-trace`: parse arguments, call moeswap.routing."""
 
 from __future__ import annotations
 
 import json
 
 from rich.console import Console
-from rich.progress import track
+from rich.progress import Progress, track
 
 from moeswap.errors import MoeswapError
-from moeswap.routing import importers, plots, policy_specs, profile, simulate, stats
+from moeswap.routing import capture, importers, plots, policy_specs, profile, simulate, stats
 from moeswap.routing.traces import RoutingTrace
 
 
 def register(subparsers) -> None:
+    p = subparsers.add_parser("trace", help="run a model on prompts (greedy) and record its routing")
+    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("-p", "--prompt", action="append", help="a prompt (repeat for several)")
+    given.add_argument("--prompts", metavar="FILE",
+                       help="one prompt per line, or .jsonl objects {\"prompt\": ..., \"name\": ...}")
+    p.add_argument("-o", "--output", required=True, help="moeswap trace (.npz) to write")
+    p.add_argument("-n", "--n-predict", type=int, default=32,
+                   help="tokens to generate and record per prompt after it (default 32; 0: prompt only)")
+    p.add_argument("--router-probs", action="store_true",
+                   help="also keep every token's full router distribution (E values per layer)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.set_defaults(handler=run_trace)
+
     p = subparsers.add_parser("stats", help="routing statistics of a trace: popularity, reuse, predictability")
     p.add_argument("trace", help="a moeswap trace (.npz)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -56,6 +70,22 @@ def _int_list(text: str, option: str) -> list[int]:
     if not values or min(values) < 0:
         raise MoeswapError(f"{option} {text!r}: give at least one number, none negative")
     return values
+
+
+def run_trace(args) -> int:
+    if args.prompts:
+        prompts = capture.read_prompts(args.prompts)
+    else:
+        prompts = [capture.Prompt(f"prompt-{i}", text) for i, text in enumerate(args.prompt)]
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("tracing", total=len(prompts))
+        trace = capture.record_trace(args.model, prompts, new_tokens=args.n_predict,
+                                     router_probs=args.router_probs, threads=args.threads,
+                                     on_prompts_done=lambda done: progress.update(task, completed=done))
+    trace.save(args.output)
+    print(f"wrote {args.output}: {trace.n_tokens} tokens, {trace.n_prompts} prompts, "
+          f"{trace.n_layers} layers, {trace.n_experts} experts, top-{trace.k}")
+    return 0
 
 
 def run_stats(args) -> int:
