@@ -45,6 +45,15 @@ def test_logits_match_transformers(family_files, source):
     assert relative_error(out, expected) <= 1e-4, family
 
 
+def test_kv_cache_holds_what_the_config_says(family_files):
+    """MLA's latent cache and Gemma 4's per-type heads included: the planner's number is real."""
+    _, _, _, gguf_path = family_files
+    model = load_model(gguf_path)
+    cache = model.new_cache()
+    model.forward([PROMPT], [cache])
+    assert cache.n_floats() == len(PROMPT) * model.config.kv_floats_per_token
+
+
 def test_incremental_decode_equals_full_forward(family_files):
     _, _, _, gguf_path = family_files
     model = load_model(gguf_path)

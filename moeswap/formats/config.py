@@ -160,6 +160,15 @@ class ModelConfig:
         return self.n_expert > 0
 
     @property
+    def kv_floats_per_token(self) -> int:
+        """Numbers the KV cache holds per token over all layers: MLA caches one latent
+        (kv_lora_rank + rope dims, no separate values); Gemma 4's layer types differ."""
+        if self.kv_lora_rank:
+            return self.n_layer * (self.kv_lora_rank + self.n_rot)
+        return sum(2 * (self.n_head_kv_swa * self.head_dim_swa if swa else self.n_head_kv * self.head_dim)
+                   for swa in self.swa_layers)
+
+    @property
     def moe_layers(self) -> list[int]:
         """Layers whose FFN is the MoE block (DeepSeek's leading layers stay dense)."""
         return list(range(self.n_layer_dense_lead, self.n_layer)) if self.is_moe else []

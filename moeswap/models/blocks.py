@@ -57,6 +57,10 @@ class KVCache:
         values[self.length:end] = v
         return keys[:end], values[:end]
 
+    def n_floats(self) -> int:
+        """Numbers stored for the committed positions, keys and values of every layer."""
+        return sum(t[: self.length].numel() for t in (*self._keys, *self._values) if t is not None)
+
     def advance(self, n_tokens: int) -> None:
         """Commit the tokens every layer has appended."""
         self.length += n_tokens
