@@ -1,0 +1,150 @@
+"""Interactive chat in the terminal: the model's own chat template, replies streamed.
+
+Each line typed is a user turn; ``/reset`` forgets the conversation, ``/stats`` prints speed,
+context use and the expert store's counters, ``/exit`` (or end of input) quits. The KV cache
+is kept between turns: when the new prompt starts with everything already in the cache, only
+the new tokens are prefilled. A conversation that outgrows ``ctx`` is refused (the turn is
+dropped) or, with the keep-recent policy, cut to the system prompt and the most recent tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, TextIO
+
+from moeswap.context_window import POLICIES, common_prefix_length, fit_context
+from moeswap.errors import MoeswapError
+from moeswap.generate import GenerationStats, decode_step, prefill
+from moeswap.runtime import peak_rss_bytes
+from moeswap.sampling import Sampler, SamplingParams
+
+HELP = "commands: /reset (new conversation), /stats, /exit"
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    ctx: int = 4096  # positions of the whole conversation
+    ctx_policy: str = "error"
+    max_tokens: int = 512  # per reply
+    system: str | None = None
+
+    def __post_init__(self):
+        if self.ctx < 2:
+            raise MoeswapError(f"--ctx must be >= 2, got {self.ctx}")
+        if self.max_tokens < 1:
+            raise MoeswapError(f"-n must be >= 1, got {self.max_tokens}")
+        if self.ctx_policy not in POLICIES:
+            raise MoeswapError(f"--ctx-policy must be one of {', '.join(POLICIES)}")
+
+
+class ChatSession:
+    def __init__(self, runtime: Any, options: ChatOptions, sampling: SamplingParams):
+        if runtime.chat_template is None:
+            raise MoeswapError("this model has no chat template (tokenizer.chat_template); "
+                               "use `moeswap run -p` for plain completion")
+        self.runtime = runtime
+        self.options = options
+        self.sampler = Sampler(sampling)
+        self.stats = GenerationStats()
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages: list[dict[str, str]] = (
+            [{"role": "system", "content": self.options.system}] if self.options.system else [])
+        self.cache = None
+        self.cached: list[int] = []  # the ids whose keys and values the cache holds
+
+    def run(self, input: TextIO, output: TextIO) -> None:
+        interactive = input.isatty()
+        output.write(HELP + "\n")
+        while True:
+            if interactive:
+                output.write("> ")
+                output.flush()
+            line = input.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/exit", "/quit"):
+                break
+            if line == "/reset":
+                self.reset()
+                output.write("(conversation reset)\n")
+            elif line == "/stats":
+                output.write(self.stats_text() + "\n")
+            elif line.startswith("/"):
+                output.write(f"unknown command {line.split()[0]}; {HELP}\n")
+            else:
+                self.turn(line, output)
+            output.flush()
+
+    def turn(self, text: str, output: TextIO) -> None:
+        """Answer one user message, streaming the reply to ``output``."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            ids = self._prompt_ids()
+        except MoeswapError as e:
+            self.messages.pop()
+            output.write(f"error: {e}\n")
+            return
+        stream = self.runtime.tokenizer.stream(ids)
+        reply = []
+        try:
+            for token in self._reply_tokens(ids):
+                piece = stream.push(token)
+                reply.append(piece)
+                output.write(piece)
+                output.flush()
+        except KeyboardInterrupt:
+            output.write(" [interrupted]")
+        output.write("\n")
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def _prompt_ids(self) -> list[int]:
+        ids = self.runtime.chat_prompt_ids(self.messages)
+        keep = 1 if ids and ids[0] == self.runtime.tokenizer.bos_id else 0
+        if self.options.system:
+            alone = self.runtime.chat_prompt_ids(self.messages[:1], add_generation_prompt=False)
+            keep = max(keep, common_prefix_length(alone, ids))
+        return fit_context(ids, self.options.ctx, max_tokens=self.options.max_tokens,
+                           policy=self.options.ctx_policy, keep_prefix=keep)
+
+    def _reply_tokens(self, ids: list[int]) -> Iterator[int]:
+        model = self.runtime.model
+        if self.cache is None or len(ids) <= len(self.cached) or ids[:len(self.cached)] != self.cached:
+            self.cache, self.cached = model.new_cache(), []
+        started = time.perf_counter()
+        new = ids[len(self.cached):]
+        logits = prefill(model, [new], [self.cache])[0]
+        self.cached = list(ids)
+        self.stats.prompt_tokens += len(new)
+        self.stats.prompt_seconds += time.perf_counter() - started
+        for _ in range(self.options.max_tokens):
+            token = self.sampler.next_token(logits, self.cached)
+            if token in self.runtime.tokenizer.stop_ids or len(self.cached) >= self.options.ctx:
+                return
+            self.stats.generated_tokens += 1
+            yield token
+            started = time.perf_counter()
+            logits = decode_step(model, [token], [self.cache])[0]
+            self.cached.append(token)
+            self.stats.decode_tokens += 1
+            self.stats.decode_seconds += time.perf_counter() - started
+
+    def stats_text(self) -> str:
+        s = self.stats
+        lines = [f"prompt: {s.prompt_tokens} tokens prefilled, {s.prompt_tokens_per_second:.2f} tokens/s"
+                 f" | decode: {s.generated_tokens} tokens, {s.decode_tokens_per_second:.2f} tokens/s",
+                 f"context: {len(self.cached)}/{self.options.ctx} tokens | peak RSS: "
+                 f"{peak_rss_bytes() / 2**20:.0f} MiB"]
+        store = self.runtime.stats()
+        if store:
+            t = store["total"]
+            lines.append(f"experts: hit rate {t['hit_rate']:.1%}, {t['disk_bytes'] / 2**20:.1f} MiB "
+                         f"read from disk, {t['transfer_bytes'] / 2**20:.1f} MiB moved up")
+            lines += [f"{tier} tier: {v['held_bytes'] / 2**20:.1f} MiB of "
+                      f"{v['budget_bytes'] / 2**20:.1f} MiB" for tier, v in store["tiers"].items()]
+        return "\n".join(lines)

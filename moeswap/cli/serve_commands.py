@@ -1,0 +1,80 @@
+"""`moeswap serve` (OpenAI-compatible HTTP server) and `moeswap chat` (terminal chat)."""
+
+from __future__ import annotations
+
+from moeswap.cli.offload_args import add_offload_arguments, store_factory
+
+
+def _add_model_arguments(p, ctx_help: str) -> None:
+    from moeswap.context_window import POLICIES
+
+    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
+    p.add_argument("--ctx", type=int, default=4096, help=ctx_help)
+    p.add_argument("--ctx-policy", choices=POLICIES, default="error",
+                   help="when a prompt outgrows --ctx: refuse it (error), or keep the system "
+                        "prompt and the most recent tokens (keep-recent) (error)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    add_offload_arguments(p)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    _add_model_arguments(p, "positions per request: prompt and reply (4096)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (8080)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (8)")
+    p.add_argument("--queue", type=int, default=64,
+                   help="requests that may wait for a batch slot; more get 429 (64)")
+    p.set_defaults(handler=run_serve)
+
+    c = subparsers.add_parser("chat", help="chat with a model in the terminal, streamed")
+    _add_model_arguments(c, "positions of the whole conversation (4096)")
+    c.add_argument("--system", default=None, help="a system prompt")
+    c.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (512)")
+    c.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (0.8)")
+    c.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
+    c.add_argument("--top-p", type=float, default=0.95, help="1 turns it off (0.95)")
+    c.add_argument("--min-p", type=float, default=0.05, help="0 turns it off (0.05)")
+    c.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    c.set_defaults(handler=run_chat)
+
+
+def _load(args, context_tokens: int):
+    import moeswap
+
+    return moeswap.load(args.model, threads=args.threads,
+                        expert_runner=store_factory(args, context_tokens))
+
+
+def run_serve(args) -> int:
+    from pathlib import Path
+
+    import uvicorn
+
+    from moeswap.server.app import ServerOptions, create_app
+    from moeswap.server.batching import BatchOptions
+
+    batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx)
+    options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
+                            ctx_policy=args.ctx_policy, api_key=args.api_key)
+    runtime = _load(args, args.ctx * args.max_batch)  # every batch slot may fill its context
+    uvicorn.run(create_app(runtime, options), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def run_chat(args) -> int:
+    import sys
+
+    from moeswap.chat import ChatOptions, ChatSession
+    from moeswap.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, seed=args.seed)
+    options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
+                          system=args.system)
+    session = ChatSession(_load(args, args.ctx), options, sampling)
+    session.run(sys.stdin, sys.stdout)
+    return 0

@@ -1,0 +1,222 @@
+"""Continuous batching: one background thread decodes every active request in one forward call
+per step.
+
+Requests wait in a bounded queue (``submit`` raises ``QueueFull`` when it is full: the server's
+429). Between steps, waiting requests join the batch while it has fewer than ``max_batch``;
+a joining request's whole prompt goes into the same forward call as the running requests'
+last tokens, so the MoE layers route all of them together and each expert is fetched once per
+step for every token that picked it. Each request keeps its own KV cache and sampler; a
+cancelled request (its client went away) leaves the batch before the next step and its cache
+is dropped. A request ends at a stop id, at ``max_tokens``, or when its sequence fills ``ctx``.
+
+Events go back through each request's ``on_event`` callback, called on the batching thread:
+the callback must only hand the event over (put it on a queue), never block.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from moeswap.errors import MoeswapError
+from moeswap.sampling import Sampler
+
+
+class QueueFull(MoeswapError):
+    """Too many requests are waiting; the client should retry later."""
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    max_batch: int = 8  # requests decoded together
+    queue_size: int = 64  # requests waiting to join the batch
+    ctx: int = 4096  # positions per request: prompt and generated tokens
+
+    def __post_init__(self):
+        for name in ("max_batch", "queue_size", "ctx"):
+            if getattr(self, name) < 1:
+                raise MoeswapError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One generated token, or the end of the request (finish_reason 'stop' | 'length' |
+    'cancelled'), or an error that ended it."""
+
+    token: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop_ids: frozenset[int]
+    on_event: Callable[[Event], None]
+    ids: list[int] = field(default_factory=list)  # prompt and generated tokens
+    cache: Any = None
+    fed: int = 0  # tokens of ``ids`` already in the cache
+    generated: int = 0
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        """Leave the batch before its next step (safe from any thread)."""
+        self.cancelled = True
+
+
+@dataclass
+class Counters:
+    """What the scheduler has done since it started; read by /metrics."""
+
+    requests_admitted: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    requests_rejected: int = 0  # queue full
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    busy_seconds: float = 0.0  # inside forward and sampling
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))  # (end time, tokens out)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        """Generated tokens per second of wall time over the last ``window`` seconds."""
+        now = time.monotonic()
+        tokens = sum(n for t, n in list(self.recent) if now - t <= window)
+        return tokens / window
+
+
+class BatchScheduler:
+    def __init__(self, model: Any, options: BatchOptions):
+        self.model = model
+        self.options = options
+        self.counters = Counters()
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._wake = threading.Condition()
+        self._model_lock = threading.Lock()  # held while the model computes a step
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="moeswap-batching", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for request in list(self._waiting) + self._active:
+            request.on_event(Event(finish_reason="cancelled"))
+        self._waiting.clear()
+        self._active = []
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    def submit(self, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler,
+               stop_ids: frozenset[int], on_event: Callable[[Event], None]) -> Request:
+        """Queue a request; its tokens arrive through ``on_event``. The caller has already
+        fitted the prompt into the context (moeswap.context_window)."""
+        if not prompt_ids:
+            raise MoeswapError("the prompt is empty: give at least one token")
+        if len(prompt_ids) >= self.options.ctx:
+            raise MoeswapError(f"the prompt is {len(prompt_ids)} tokens; the context holds "
+                               f"{self.options.ctx}")
+        request = Request(list(prompt_ids), max_tokens, sampler, stop_ids, on_event,
+                          ids=list(prompt_ids))
+        with self._wake:
+            if len(self._waiting) >= self.options.queue_size:
+                self._drop_cancelled_waiting()
+            if len(self._waiting) >= self.options.queue_size:
+                self.counters.requests_rejected += 1
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting "
+                                f"(--queue {self.options.queue_size}); retry later")
+            self._waiting.append(request)
+            self._wake.notify()
+        return request
+
+    def _drop_cancelled_waiting(self) -> None:
+        for request in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(request)
+            self._finish(request, "cancelled")
+
+    def read_model(self, read: Callable[[], Any]) -> Any:
+        """Call ``read`` (e.g. the expert store's stats) between steps, never during one."""
+        with self._model_lock:
+            return read()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                while self._waiting and len(self._active) < self.options.max_batch:
+                    request = self._waiting.popleft()
+                    if request.cancelled:
+                        self._finish(request, "cancelled")
+                        continue
+                    request.cache = self.model.new_cache()
+                    self._active.append(request)
+                    self.counters.requests_admitted += 1
+            self._step()
+
+    def _step(self) -> None:
+        for request in [r for r in self._active if r.cancelled]:
+            self._finish(request, "cancelled")
+        batch = list(self._active)
+        if not batch:
+            return
+        started = time.perf_counter()
+        try:
+            with self._model_lock:
+                logits = self.model.forward(
+                    [torch.tensor(r.ids[r.fed:], dtype=torch.long) for r in batch],
+                    [r.cache for r in batch])
+        except Exception as e:  # a failed step ends its requests, never the server
+            for request in batch:
+                self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
+            return
+        produced = 0
+        for request, rows in zip(batch, logits):
+            if request.fed == 0:
+                self.counters.prompt_tokens += len(request.ids)
+            request.fed = len(request.ids)
+            token = request.sampler.next_token(rows[-1], request.ids)
+            if token in request.stop_ids:
+                self._finish(request, "stop")
+                continue
+            request.ids.append(token)
+            request.generated += 1
+            produced += 1
+            request.on_event(Event(token=token))
+            if request.generated >= request.max_tokens or len(request.ids) >= self.options.ctx:
+                self._finish(request, "length")
+        c = self.counters
+        c.steps += 1
+        c.generated_tokens += produced
+        c.busy_seconds += time.perf_counter() - started
+        c.recent.append((time.monotonic(), produced))
+
+    def _finish(self, request: Request, reason: str | None, error: str | None = None) -> None:
+        if request in self._active:
+            self._active.remove(request)
+        request.cache = None  # the KV cache goes with the request
+        key = reason or "error"
+        self.counters.requests_finished[key] = self.counters.requests_finished.get(key, 0) + 1
+        request.on_event(Event(finish_reason=reason, error=error))

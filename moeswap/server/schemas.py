@@ -1,0 +1,82 @@
+"""The request bodies the OpenAI-compatible endpoints accept, validated strictly.
+
+Strict: a wrong JSON type ("max_tokens": "10", "stream": "yes") is a 400, not silently
+converted. Unknown fields are ignored, as OpenAI clients send many optional ones; fields that
+would change the output and are not built here (logprobs, echo, best_of, tools, response_format,
+logit_bias ...) are refused by name in ``unsupported_fields``.
+Sampling defaults are OpenAI's (temperature 1, top_p 1), not llama.cpp's; ``top_k``, ``min_p``
+and ``repeat_penalty`` are llama-server's extensions, off by default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools",
+               "tool_choice", "functions", "function_call", "response_format")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    def unsupported_fields(self) -> list[str]:
+        extra = self.model_extra or {}
+        return [name for name in UNSUPPORTED
+                if extra.get(name) not in (None, False, 0, [], {}, "none", "auto")]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingBody(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(1.0, gt=0.0)
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+
+
+class CompletionBody(SamplingBody):
+    prompt: str | list[int]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatBody(SamplingBody):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def reply_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
