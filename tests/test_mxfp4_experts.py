@@ -98,3 +98,50 @@ def test_llama_cpp_agrees_on_mxfp4_experts(files):
     for path in files:
         ours = logits(load_model(path)).double().numpy()
         assert relative_error(ours, llama_cpp_logits(path)) <= 1e-4, path.name
+
+
+def openai_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, out, in] float -> the published layout: blocks [E, out, in/32, 16], scales [E, out, in/32]
+    (byte k of a block: element 2k in the low nibble, 2k+1 in the high), via ggml's quantizer."""
+    ggml = torch.from_numpy(quantize(weight.numpy(), Q.MXFP4)).view(*weight.shape[:2], -1, 17)
+    scales, qs = ggml[..., 0], ggml[..., 1:]  # qs byte j: element j (low), j+16 (high)
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [E, out, B, 32] in element order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), scales.contiguous()
+
+
+def test_published_mxfp4_folder_converts_byte_for_byte(tmp_path, files):
+    """A GPT-OSS folder as OpenAI publishes it (MXFP4 *_blocks / *_scales) converts to the
+    same MXFP4 bytes ggml's quantizer gives, without decoding; loading it directly says how."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import _convert_moe_packed_tensors
+
+    from moeswap.errors import MoeswapError
+
+    mxfp4_path, _ = files
+    float_dir = mxfp4_path.parent / "hf"
+    folder = tmp_path / "published"
+    folder.mkdir()
+    for f in float_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(float_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stored = tensors.pop(name)  # [E, in, out]
+        blocks, scales = openai_mxfp4(stored.transpose(1, 2).contiguous())
+        # transformers' own decoder reads these as the values ggml's MXFP4 holds
+        decoded = _convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+        packed = quantize(stored.transpose(1, 2).contiguous().numpy(), Q.MXFP4)
+        assert torch.equal(decoded.transpose(1, 2), torch.from_numpy(
+            dequantize(packed, Q.MXFP4).reshape(stored.transpose(1, 2).shape)))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, folder / "model.safetensors")
+
+    with pytest.raises(MoeswapError, match="moeswap convert"):
+        load_model(folder)
+    ours = {t.name: t for t in GGUFReader(convert(folder, tmp_path / "published.gguf", "f32")).tensors}
+    expected = {t.name: t for t in GGUFReader(mxfp4_path).tensors}
+    assert sorted(ours) == sorted(expected)
+    for name, b in expected.items():
+        a = ours[name]
+        assert (a.tensor_type, list(a.shape)) == (b.tensor_type, list(b.shape)), name
+        assert np.array_equal(np.asarray(a.data), np.asarray(b.data)), name

@@ -13,6 +13,9 @@ the engine the same tensors. Besides renaming, a rule may say how the tensor cha
   odd
   t       transpose the last two dims (GPT-OSS stores experts [E, in, out])
   kb / vb split MLA's kv_b_proj per head into k_b [H, kv_lora, nope] and v_b [H, v, kv_lora]
+  mxfp4   GPT-OSS's published experts: ``*_blocks`` [E, out, in/32, 16] plus ``*_scales``
+          [E, out, in/32]; even / odd then pick rows. Repacked byte for byte into ggml's MXFP4
+          (``mxfp4_to_ggml``), never decoded
   q / k   llama.cpp's Q/K row permutation, for architectures whose GGUF RoPE is not NeoX
   norm    add 1 to an RMSNorm weight, for Gemma (its HF norm computes x * (1 + w))
   squeeze drop the size-1 dimension (Qwen2-MoE's shared-expert gate [1, n_embd])
@@ -37,6 +40,7 @@ SHIFTED_NORM_ARCHS = ("gemma3",)
 _L = r"model\.layers\.(\d+)\."
 # Ops that cut one HF tensor into parts of several GGUF tensors.
 _FANOUT_OPS = frozenset({"gate", "up", "even", "odd", "kb", "vb"})
+MXFP4_SCALES_SUFFIX = "_scales"  # read together with their "_blocks" tensor
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,9 @@ RULES = (
     NameRule(_L + r"mlp\.experts\.gate_up_proj_bias", "blk.{layer}.ffn_gate_exps.bias", "stacked+even"),  # GPT-OSS
     NameRule(_L + r"mlp\.experts\.gate_up_proj_bias", "blk.{layer}.ffn_up_exps.bias", "stacked+odd"),  # GPT-OSS
     NameRule(_L + r"mlp\.experts\.down_proj", "blk.{layer}.ffn_down_exps.weight", "stacked+t"),  # GPT-OSS
+    NameRule(_L + r"mlp\.experts\.gate_up_proj_blocks", "blk.{layer}.ffn_gate_exps.weight", "stacked+mxfp4+even"),  # GPT-OSS (published, MXFP4)
+    NameRule(_L + r"mlp\.experts\.gate_up_proj_blocks", "blk.{layer}.ffn_up_exps.weight", "stacked+mxfp4+odd"),  # GPT-OSS (published, MXFP4)
+    NameRule(_L + r"mlp\.experts\.down_proj_blocks", "blk.{layer}.ffn_down_exps.weight", "stacked+mxfp4"),  # GPT-OSS (published, MXFP4)
     NameRule(_L + r"mlp\.experts\.down_proj_bias", "blk.{layer}.ffn_down_exps.bias", "stacked"),  # GPT-OSS
     NameRule(_L + r"router\.proj\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Gemma 4
     NameRule(_L + r"router\.scale", "blk.{layer}.ffn_gate_inp.scale"),  # Gemma 4
@@ -125,8 +132,9 @@ RULES = (
 
 _COMPILED = tuple((re.compile(rule.hf), rule) for rule in RULES)
 
-# HF tensors llama.cpp's converter drops (recomputed at load time).
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# HF tensors llama.cpp's converter drops (recomputed at load time), and MXFP4 scales (read with
+# their blocks).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*\.experts\.\w+_proj" + MXFP4_SCALES_SUFFIX + "$")
 
 # Expert tensors: GGUF name suffix -> the kind the engine asks an expert for.
 EXPERT_KINDS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
@@ -210,6 +218,19 @@ def split_kv_b(w: torch.Tensor, c: ModelConfig, key: bool) -> torch.Tensor:
     nope = c.head_dim_k_mla - c.n_rot
     kv_b = w.reshape(c.n_head, nope + c.head_dim_v_mla, w.shape[-1])  # [H, P+V, L]
     return kv_b[:, :nope].transpose(1, 2) if key else kv_b[:, nope:]  # [H, L, P] / [H, V, L]
+
+
+def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:
+    """OpenAI's MXFP4 (blocks [..., R, B, 16]: byte k holds elements 2k (low nibble) and 2k+1;
+    scales [..., R, B] e8m0) -> ggml's block_mxfp4 bytes [..., R', B*17] (scale byte, then byte j
+    holding elements j (low) and j+16), rows halved by even / odd. Same bytes as llama.cpp's
+    GptOssModel.repack_mxfp4. Legend: R rows, B blocks of 32 per row."""
+    if "even" in ops or "odd" in ops:
+        start = 0 if "even" in ops else 1
+        blocks, scales = blocks[..., start::2, :, :], scales[..., start::2, :]
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., R, B, 32]
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # [..., R, B, 16]
+    return torch.cat((scales[..., None], packed), dim=-1).flatten(-2)  # [..., R, B*17]
 
 
 def select_part(w: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:

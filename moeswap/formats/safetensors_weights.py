@@ -36,8 +36,25 @@ class SafetensorsWeights:
     def has(self, name: str) -> bool:
         return name in self.plan
 
+    def is_mxfp4(self, name: str) -> bool:
+        """Whether the GGUF tensor comes from MXFP4 ``*_blocks`` / ``*_scales`` (GPT-OSS)."""
+        return "mxfp4" in self._parts(name)[0].ops
+
+    def mxfp4_bytes(self, name: str) -> torch.Tensor:
+        """The GGUF tensor's ggml MXFP4 bytes [E, out, in/32*17] uint8, repacked, not decoded."""
+        part = self._parts(name)[0]
+        scales = part.hf_name.removesuffix("_blocks") + hf_names.MXFP4_SCALES_SUFFIX
+        if scales not in self._shard_of:
+            raise MoeswapError(f"{self.folder}: '{part.hf_name}' has no '{scales}'")
+        return hf_names.mxfp4_to_ggml(self._handle(part.hf_name).get_tensor(part.hf_name),
+                                      self._handle(scales).get_tensor(scales), part.ops)
+
     def tensor(self, name: str) -> torch.Tensor:
         parts = self._parts(name)
+        if "mxfp4" in parts[0].ops:
+            raise MoeswapError(f"{self.folder}: '{parts[0].hf_name}' holds MXFP4 experts, which "
+                               "moeswap computes from a GGUF without decoding them: run "
+                               f"'moeswap convert {self.folder} -o model.gguf' (they stay MXFP4)")
         if parts[0].expert is not None:
             return torch.stack([self._read(p) for p in parts])  # [E, out, in]
         return self._read(parts[0])
@@ -67,6 +84,9 @@ class SafetensorsWeights:
         """The GGUF tensor's shape in torch order, from the headers only (ops run on meta)."""
         parts = self._parts(name)
         header = self._handle(parts[0].hf_name).get_slice(parts[0].hf_name).get_shape()
+        if "mxfp4" in parts[0].ops:  # blocks [E, R, B, 16] -> elements [E, R', B*32]
+            rows = header[-3] // 2 if {"even", "odd"} & parts[0].ops else header[-3]
+            return [*header[:-3], rows, header[-2] * 32]
         meta = torch.empty(header, device="meta")
         shape = list(self._finish(hf_names.select_part(meta, parts[0].ops), parts[0]).shape)
         return [len(parts), *shape] if parts[0].expert is not None else shape

@@ -64,7 +64,9 @@ def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
         shape = list(extra[name].shape) if name in extra else weights.tensor_shape(name)
         if name == "token_embd.weight" and config.arch == "gemma3":
             shape[0] = min(shape[0], n_tokens)  # the reference drops rows past the tokenizer
-        qtype = tensor_type(name, shape, out_type)
+        # MXFP4 experts (published GPT-OSS) stay MXFP4, as with llama.cpp's converter.
+        qtype = (gguf.GGMLQuantizationType.MXFP4 if name not in extra and weights.is_mxfp4(name)
+                 else tensor_type(name, shape, out_type))
         plan.append((name, shape, qtype))
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
         # Element shape with a raw type: the writer stores it as is (torch order, reversed on disk).
@@ -74,9 +76,12 @@ def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for index, (name, shape, qtype) in enumerate(plan):
-        data = (extra[name] if name in extra else weights.tensor(name)).numpy()
-        data = data[tuple(slice(0, n) for n in shape)]
-        writer.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(data), qtype))
+        if name not in extra and qtype == gguf.GGMLQuantizationType.MXFP4:
+            writer.write_tensor_data(weights.mxfp4_bytes(name).numpy())  # already ggml's bytes
+        else:
+            data = (extra[name] if name in extra else weights.tensor(name)).numpy()
+            data = data[tuple(slice(0, n) for n in shape)]
+            writer.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(data), qtype))
         if on_tensor is not None:
             on_tensor(name, index + 1, len(plan))
     writer.close()
