@@ -115,7 +115,7 @@ class BatchScheduler:
         if self._thread is not None:
             self._thread.join()
         for request in list(self._waiting) + self._active:
-            request.on_event(Event(finish_reason="cancelled"))
+            self._emit(request, Event(finish_reason="cancelled"))
         self._waiting.clear()
         self._active = []
 
@@ -204,7 +204,7 @@ class BatchScheduler:
             request.ids.append(token)
             request.generated += 1
             produced += 1
-            request.on_event(Event(token=token))
+            self._emit(request, Event(token=token))
             if request.generated >= request.max_tokens or len(request.ids) >= self.options.ctx:
                 self._finish(request, "length")
         c = self.counters
@@ -219,4 +219,11 @@ class BatchScheduler:
         request.cache = None  # the KV cache goes with the request
         key = reason or "error"
         self.counters.requests_finished[key] = self.counters.requests_finished.get(key, 0) + 1
-        request.on_event(Event(finish_reason=reason, error=error))
+        self._emit(request, Event(finish_reason=reason, error=error))
+
+    @staticmethod
+    def _emit(request: Request, event: Event) -> None:
+        try:
+            request.on_event(event)
+        except Exception:  # a listener that is gone (closed event loop) must not stop the loop
+            request.cancel()

@@ -1,0 +1,106 @@
+"""`moeswap chat` driven with scripted stdin on a tiny Mixtral-layout GGUF with a chat template:
+replies equal greedy generation over the re-rendered conversation (so the kept KV cache is
+right), /reset, /stats, and the context limit with both policies."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from gguf import GGUFValueType as T
+
+import moeswap
+from moeswap.chat import HELP, ChatOptions, ChatSession
+from moeswap.cli import main
+from moeswap.context_window import fit_context
+from moeswap.sampling import GREEDY
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}a{% endif %}")
+N = 5
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from gguf_builders import mixtral
+
+    spec = mixtral()
+    spec.kv["tokenizer.chat_template"] = (TEMPLATE, T.STRING)
+    return spec.write(tmp_path_factory.mktemp("chat") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_path):
+    return moeswap.load(tiny_path, tokenizer_cache_dir=tiny_path.parent / "cache")
+
+
+def reply(runtime, messages, ctx=4096, policy="error"):
+    """What one greedy turn should print: the reply over the whole conversation, fresh cache."""
+    ids = runtime.chat_prompt_ids(messages)
+    keep = 1
+    if messages[0]["role"] == "system":
+        keep = len(runtime.chat_prompt_ids(messages[:1], add_generation_prompt=False))
+    ids = fit_context(ids, ctx, max_tokens=N, policy=policy, keep_prefix=keep)
+    tokens = list(runtime.generate(ids, N, temperature=0.0))
+    stream = runtime.tokenizer.stream(ids)
+    return "".join(stream.push(t) for t in tokens)
+
+
+def chat(tiny_path, monkeypatch, capsys, script: str, *flags: str) -> tuple[int, str, str]:
+    monkeypatch.setattr("sys.stdin", io.StringIO(script))
+    code = main(["chat", str(tiny_path), "--temp", "0", "-n", str(N), *flags])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_turns_reset_and_stats(tiny_path, runtime, monkeypatch, capsys):
+    code, out, _ = chat(tiny_path, monkeypatch, capsys,
+                        "bcd\n\nefg\n/stats\n/reset\nbcd\n/nope\n", "--system", "hh")
+    assert code == 0
+    first = [{"role": "system", "content": "hh"}, {"role": "user", "content": "bcd"}]
+    r1 = reply(runtime, first)
+    second = first + [{"role": "assistant", "content": r1}, {"role": "user", "content": "efg"}]
+    r2 = reply(runtime, second)
+    lines = out.split("\n")
+    assert lines[:3] == [HELP, r1, r2]
+    assert lines[3].startswith("prompt: ") and "tokens/s" in lines[3]
+    assert lines[4].startswith("context: ") and lines[4].endswith("MiB")
+    assert lines[5:] == ["(conversation reset)", r1,
+                         "unknown command /nope; " + HELP, ""]
+
+
+def test_the_kv_cache_is_kept_between_turns(runtime):
+    session = ChatSession(runtime, ChatOptions(max_tokens=N), GREEDY)
+    sink = io.StringIO()
+    session.turn("bcd", sink)
+    first_prompt = session.stats.prompt_tokens
+    in_cache = len(session.cached)
+    session.turn("efg", sink)
+    full = len(runtime.chat_prompt_ids(session.messages[:-1]))
+    assert session.stats.prompt_tokens == first_prompt + full - in_cache  # only the new part
+
+
+def test_context_overflow_is_refused_and_the_session_goes_on(tiny_path, runtime, monkeypatch, capsys):
+    code, out, _ = chat(tiny_path, monkeypatch, capsys, "b" * 40 + "\nbcd\n", "--ctx", "16")
+    assert code == 0
+    lines = out.split("\n")
+    assert lines[1].startswith("error: the prompt is ") and "--ctx-policy keep-recent" in lines[1]
+    assert lines[2] == reply(runtime, [{"role": "user", "content": "bcd"}], ctx=16)
+
+
+def test_keep_recent_policy_cuts_the_middle(tiny_path, runtime, monkeypatch, capsys):
+    long = "bcdefg" * 6
+    code, out, _ = chat(tiny_path, monkeypatch, capsys, long + "\n", "--ctx", "24",
+                        "--ctx-policy", "keep-recent", "--system", "hh")
+    assert code == 0
+    messages = [{"role": "system", "content": "hh"}, {"role": "user", "content": long}]
+    assert out.split("\n")[1] == reply(runtime, messages, ctx=24, policy="keep-recent")
+
+
+def test_model_without_a_template_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    from gguf_builders import mixtral
+
+    path = mixtral().write(tmp_path / "plain.gguf")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main(["chat", str(path)]) == 2
+    assert "no chat template" in capsys.readouterr().err
