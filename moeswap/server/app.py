@@ -27,7 +27,7 @@ from moeswap.chat_template import ChatTemplateError
 from moeswap.context_window import ContextOverflow, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
 from moeswap.sampling import SamplingParams
-from moeswap.server.batching import BatchOptions, BatchScheduler, QueueFull
+from moeswap.server.batching import BatchOptions, BatchScheduler, NotRunning, QueueFull
 from moeswap.server.choices import Choices, GenerationFailed, Piece
 from moeswap.server.metrics import HttpCounts, render_metrics
 from moeswap.server.schemas import ChatBody, CompletionBody, SamplingBody
@@ -98,12 +98,14 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "queue_depth": scheduler.queue_depth,
+        body = {"status": "ok" if scheduler.alive else "error", "queue_depth": scheduler.queue_depth,
                 "batch_size": scheduler.active_count}
+        return JSONResponse(body, status_code=200 if scheduler.alive else 503)
 
     @app.get("/metrics")
     async def metrics():
-        stats = scheduler.read_model(getattr(runtime, "stats", dict))
+        # waits for the current step to end, so off the event loop
+        stats = await asyncio.to_thread(scheduler.read_model, getattr(runtime, "stats", dict))
         return PlainTextResponse(render_metrics(scheduler, http_counts, stats),
                                  media_type="text/plain; version=0.0.4")
 
@@ -157,6 +159,8 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
                               max_tokens=max_tokens or ctx, params=params, stops=stops)
         except QueueFull as e:
             raise ApiError(429, str(e), type="requests", code="rate_limit_exceeded") from None
+        except NotRunning as e:
+            raise ApiError(503, str(e), type="server_error") from None
         reply = _Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", options.model_name, len(ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -31,6 +31,10 @@ class QueueFull(MoeswapError):
     """Too many requests are waiting; the client should retry later."""
 
 
+class NotRunning(MoeswapError):
+    """The batching loop is not running (not started, stopped, or it died)."""
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     max_batch: int = 8  # requests decoded together
@@ -120,6 +124,10 @@ class BatchScheduler:
         self._active = []
 
     @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def queue_depth(self) -> int:
         return len(self._waiting)
 
@@ -136,6 +144,8 @@ class BatchScheduler:
         if len(prompt_ids) >= self.options.ctx:
             raise MoeswapError(f"the prompt is {len(prompt_ids)} tokens; the context holds "
                                f"{self.options.ctx}")
+        if not self.alive:
+            raise NotRunning("the batching loop is not running; restart the server")
         request = Request(list(prompt_ids), max_tokens, sampler, stop_ids, on_event,
                           ids=list(prompt_ids))
         with self._wake:
