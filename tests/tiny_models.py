@@ -9,7 +9,8 @@ YaRN with DeepSeek's mscale (and the V2-Lite form: no query compression, which l
 recognises only at 26 or 27 layers; 24 of them dense to keep it fast), GPT-OSS's sinks, biases everywhere, YaRN (truncated: the form
 llama.cpp computes) and alternating 4-token-window / global layers, Gemma 4's
 MoE block beside the dense FFN, wider global heads with fewer kv heads and keys as values,
-proportional RoPE on a quarter of each global head.
+proportional RoPE on a quarter of each global head; and the same inside Gemma 4's multimodal
+wrapper (tensors under model.language_model., as the 26B-A4B checkpoint is published).
 """
 
 from __future__ import annotations
@@ -24,10 +25,39 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attenti
               tie_word_embeddings=False)
 
 
+def _multimodal(wrapper_cls, text_cls):
+    """A ...ForConditionalGeneration config around a text config, without vision or audio."""
+    def make(**kwargs):
+        return wrapper_cls(text_config=text_cls(**kwargs).to_dict(), vision_config=None,
+                           audio_config=None)
+    return make
+
+
 def _configs():
     import transformers as tf
 
     moe = dict(num_experts_per_tok=2)
+    deepseek2 = dict(COMMON, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96,
+                     moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+                     n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=48,
+                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                     routed_scaling_factor=2.5, topk_method="greedy",
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 64,
+                                      "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 0.707, "mscale_all_dim": 0.707})
+    gemma4 = dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
+                  num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
+                  enable_moe_block=True, num_experts=4, top_k_experts=2,
+                  moe_intermediate_size=32, hidden_size_per_layer_input=0,
+                  num_kv_shared_layers=0, sliding_window=4, final_logit_softcapping=30.0,
+                  tie_word_embeddings=True,
+                  layer_types=["sliding_attention", "full_attention"] * 2,
+                  rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional",
+                                                      "partial_rotary_factor": 0.25,
+                                                      "rope_theta": 1000000.0}})
     return {
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM,
                     dict(COMMON, intermediate_size=64, num_local_experts=4, rope_theta=10000.0, **moe)),
@@ -55,26 +85,10 @@ def _configs():
                                                             "rope_theta": 1000000.0},
                                          "sliding_attention": {"rope_type": "default",
                                                                "rope_theta": 10000.0}})),
-        "deepseek2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
-                      dict(COMMON, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96,
-                           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
-                           n_shared_experts=2, first_k_dense_replace=1, q_lora_rank=48,
-                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                           routed_scaling_factor=2.5, topk_method="greedy",
-                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                            "original_max_position_embeddings": 64,
-                                            "beta_fast": 32.0, "beta_slow": 1.0,
-                                            "mscale": 0.707, "mscale_all_dim": 0.707})),
+        "deepseek2": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM, deepseek2),
         "deepseek2_lite": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
-                      dict(COMMON, num_hidden_layers=26, num_key_value_heads=4, intermediate_size=96,
-                           moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
-                           n_shared_experts=2, first_k_dense_replace=24, q_lora_rank=None,
-                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                           routed_scaling_factor=2.5, topk_method="greedy",
-                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                            "original_max_position_embeddings": 64,
-                                            "beta_fast": 32.0, "beta_slow": 1.0,
-                                            "mscale": 0.707, "mscale_all_dim": 0.707})),
+                           dict(deepseek2, num_hidden_layers=26, first_k_dense_replace=24,
+                                q_lora_rank=None)),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                     dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                          num_local_experts=4, sliding_window=4,
@@ -82,24 +96,14 @@ def _configs():
                                           "original_max_position_embeddings": 64,
                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
                          **moe)),
-        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM,
-                   dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
-                        num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
-                        enable_moe_block=True, num_experts=4, top_k_experts=2,
-                        moe_intermediate_size=32, hidden_size_per_layer_input=0,
-                        num_kv_shared_layers=0, sliding_window=4, final_logit_softcapping=30.0,
-                        tie_word_embeddings=True,
-                        layer_types=["sliding_attention", "full_attention"] * 2,
-                        rope_parameters={"sliding_attention": {"rope_type": "default",
-                                                               "rope_theta": 10000.0},
-                                         "full_attention": {"rope_type": "proportional",
-                                                            "partial_rotary_factor": 0.25,
-                                                            "rope_theta": 1000000.0}})),
+        "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM, gemma4),
+        "gemma4_multimodal": (_multimodal(tf.Gemma4Config, tf.Gemma4TextConfig),
+                              tf.Gemma4ForConditionalGeneration, gemma4),
     }
 
 
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3",
-            "deepseek2", "deepseek2_lite", "gpt_oss", "gemma4")
+            "deepseek2", "deepseek2_lite", "gpt_oss", "gemma4", "gemma4_multimodal")
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -114,7 +118,7 @@ def build(family: str, seed: int = 0, **overrides):
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.normal_(0.0, 0.3)
-    if family == "gemma4":
+    if family.startswith("gemma4"):
         # Norms, router scales, per-expert scales and layer scalars all start at 1; spread them.
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -76,6 +76,7 @@ HF_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek2",
     "GptOssForCausalLM": "gpt-oss",
     "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 
 

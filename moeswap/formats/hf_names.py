@@ -136,6 +136,13 @@ _COMPILED = tuple((re.compile(rule.hf), rule) for rule in RULES)
 # their blocks).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*\.experts\.\w+_proj" + MXFP4_SCALES_SUFFIX + "$")
 
+# Multimodal wrappers (Gemma 3 / 4 ...ForConditionalGeneration): the language model's tensors
+# under a prefix, matched as the text-only model's; the vision / audio towers are not converted.
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_OTHER_MODALITIES = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|embed_vision|"
+                               r"audio_tower|embed_audio)\.")
+
 # Expert tensors: GGUF name suffix -> the kind the engine asks an expert for.
 EXPERT_KINDS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
                 "ffn_down_exps.weight": "down"}
@@ -155,13 +162,14 @@ def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
     result: dict[str, list[Part]] = {}
     unknown = []
     for hf_name in hf_names:
-        if _IGNORED.match(hf_name):
+        if _IGNORED.match(hf_name) or _OTHER_MODALITIES.match(hf_name):
             continue
+        text_name = _text_model_name(hf_name)
         matched = False
         for pattern, rule in _COMPILED:
             if rule.archs and arch not in rule.archs:
                 continue
-            m = pattern.fullmatch(hf_name)
+            m = pattern.fullmatch(text_name)
             if m is None:
                 continue
             ops = frozenset(op for op in rule.ops.split("+") if op)
@@ -179,6 +187,13 @@ def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
     for parts in result.values():
         parts.sort(key=lambda p: -1 if p.expert is None else p.expert)
     return result
+
+
+def _text_model_name(hf_name: str) -> str:
+    for prefix, plain in _TEXT_PREFIXES:
+        if hf_name.startswith(prefix):
+            return plain + hf_name[len(prefix):]
+    return hf_name
 
 
 def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
