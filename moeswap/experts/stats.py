@@ -17,6 +17,7 @@ class LayerStats:
     transfer_bytes: int = 0
     device_evictions: int = 0
     host_evictions: int = 0
+    refetches: int = 0  # evicted between a step's two passes and fetched again
     stall_seconds: float = 0.0  # spent waiting on reads and copies
     threshold_drops: int = 0  # picks dropped by --expert-threshold (an approximation)
     threshold_saved_bytes: int = 0  # expert bytes not read because every pick of it was dropped

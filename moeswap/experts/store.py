@@ -40,8 +40,8 @@ from moeswap.experts.stats import LayerStats, total
 from moeswap.experts.tiers import DiskReader, SlotPool, piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.models.quant_experts import (ExpertLayout, combine, expert_hidden, expert_output,
-                                          group_picks, token_pieces)
+from moeswap.models.quant_experts import (ExpertLayout, combine, group_picks, hidden, output,
+                                          token_pieces)
 from moeswap.quant import CpuKernels, QuantExperts
 
 POLICY_HELP = ("lru, lfu, lfuda, arc, s3fifo, window:N (fewest uses in the last N requests), "
@@ -116,13 +116,18 @@ class ExpertStore:
         self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
         self.slot_size = slot_bytes(list(self.layouts.values()))
         self.shared_bytes = shared_bytes(gguf, layers)
-        self.kv_bytes = kv_bytes_per_token(config_from_gguf(gguf)) * options.context_tokens
-        charged = self.shared_bytes + self.kv_bytes
+        config = config_from_gguf(gguf)
+        self.kv_bytes = kv_bytes_per_token(config) * options.context_tokens
+        # Disk reads that no tier admits land in a ring of staging slots, one per pick of a token.
+        self.staging = SlotPool("staging", max(config.n_expert_used, 1), self.slot_size)
+        self._ring_next = 0
+        charged = self.shared_bytes + self.kv_bytes + self.staging.nbytes
         if options.host_bytes < charged:
             raise MoeswapError(
                 f"--host-mem {options.host_bytes} bytes is below the shared weights "
-                f"({self.shared_bytes} bytes) plus the KV cache ({self.kv_bytes} bytes); "
-                f"give at least {charged + self.slot_size} bytes")
+                f"({self.shared_bytes} bytes) plus the KV cache ({self.kv_bytes} bytes) and "
+                f"{self.staging.n_slots} staging slots; give at least {charged + self.slot_size} "
+                "bytes")
         host_slots = (options.host_bytes - charged) // self.slot_size if self.slot_size else 0
         device_slots = options.device_bytes // self.slot_size if self.slot_size else 0
         self.budgets = {"host": options.host_bytes, "device": options.device_bytes}
@@ -131,7 +136,6 @@ class ExpertStore:
                       "host": SlotPool("host", host_slots, self.slot_size)}
         self.policies = {tier: live_policy(options.policy, pool.n_slots)
                          for tier, pool in self.pools.items()}
-        self.staging = SlotPool("staging", 1, self.slot_size)
         self.slots: dict[str, dict[tuple[int, int], int]] = {"device": {}, "host": {}}
         self.disk = DiskReader(gguf.path, cold=options.cold_reads)
         self.planner = MissPlanner(options.miss, options.rates or CPU_ONLY_RATES)
@@ -139,7 +143,8 @@ class ExpertStore:
         self._bound: dict[tuple[str, int, int], _Slot] = {}
         for tier, policy in self.policies.items():
             for key in sorted(policy.resident()):  # pre-filled policies (a pinned hot set)
-                self._load(tier, key, self._read_from_disk(key, self.layer_stats[key[0]]))
+                staged = self._read_from_disk(key, self.layer_stats[key[0]])
+                self._load(tier, key, self.staging.slot(staged))
 
     @classmethod
     def factory(cls, options: StoreOptions) -> "StoreFactory":
@@ -159,8 +164,14 @@ class ExpertStore:
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] -> [T, D]."""
+        """x [T, D], ids/weights [T, K] -> [T, D].
+
+        Two passes over the step's experts, as the resident runner's two products: gate/up for
+        all, the activation on the whole [T*K, F] tensor, then down for all. An expert evicted
+        between the passes (budgets smaller than one step's experts) is fetched again.
+        """
         layout, stats, top_k = self.layouts[layer], self.layer_stats[layer], ids.shape[1]
+        n_picks = ids.numel()
         keep = None
         if self.options.threshold > 0:
             weights, keep = self._threshold(layout, ids, weights, stats)
@@ -168,23 +179,28 @@ class ExpertStore:
         groups = [(e, picks) for e, picks in groups if picks.numel()]
         self.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
                                  if (layer, e) not in self.policies["device"]])
-        y = x.new_zeros(ids.numel(), x.shape[1])  # [T*K, D]
+        kinds = ("gate_up",) if layout.fused else ("gate", "up")
+        firsts, vectors, places = {}, {}, {}
         for expert, picks in groups:
             stats.requests += 1
-            bound = self._serve(layer, expert, picks.numel(), stats)
+            places[expert] = self._serve(layer, expert, picks.numel(), stats)
+            bound = self._bound_slot(*places[expert], layer)
             rows = x[picks // top_k]  # [M, D]
             zeros = torch.zeros(rows.shape[0], 1, dtype=torch.int32)  # [M, 1]: the only expert
-            vectors = {k: b.float() for k, b in bound.biases.items()}
-            if layout.fused:
-                h = expert_hidden(layout, self.activation,
-                                  bound.matrices["gate_up"].matmul(rows, zeros)[:, 0], None, vectors)
-            else:
-                h = expert_hidden(layout, self.activation,
-                                  bound.matrices["gate"].matmul(rows, zeros)[:, 0],
-                                  bound.matrices["up"].matmul(rows, zeros)[:, 0], vectors)  # [M, F]
-            down = bound.matrices["down"].matmul(h, zeros)[:, 0]  # [M, D]
-            y[picks] = expert_output(down, vectors)
-        return combine(y.view(*ids.shape, -1), weights)
+            for kind in kinds:
+                y = bound.matrices[kind].matmul(rows, zeros)[:, 0]  # [M, F] or [M, 2F]
+                firsts.setdefault(kind, x.new_zeros(n_picks, y.shape[1]))[picks] = y
+            for kind, vector in bound.biases.items():
+                vectors.setdefault(kind, x.new_zeros(n_picks, vector.numel()))[picks] = vector.float()
+        if not groups:  # every pick dropped: cannot happen, a token's top pick is always kept
+            return torch.zeros_like(x)
+        h = hidden(self.activation, firsts[kinds[0]], firsts.get("up"), vectors)  # [T*K, F]
+        y = x.new_zeros(n_picks, x.shape[1])  # [T*K, D]
+        for expert, picks in groups:
+            place = self._still_held((layer, expert), places[expert], stats)
+            zeros = torch.zeros(picks.numel(), 1, dtype=torch.int32)
+            y[picks] = self._bound_slot(*place, layer).matrices["down"].matmul(h[picks], zeros)[:, 0]
+        return combine(output(y, vectors).view(*ids.shape, -1), weights)
 
     def _threshold(self, layout: ExpertLayout, ids: torch.Tensor, weights: torch.Tensor,
                    stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,13 +220,14 @@ class ExpertStore:
 
     # -- residency -------------------------------------------------------------------------
 
-    def _serve(self, layer: int, expert: int, n_tokens: int, stats: LayerStats) -> _Slot:
+    def _serve(self, layer: int, expert: int, n_tokens: int, stats: LayerStats) -> tuple[str, int]:
+        """Make the expert's bytes available as the policies decide; -> (pool, slot) holding them."""
         key = (layer, expert)
         device = self.policies["device"]
         if key in device:
             device.access(key)
             stats.device_hits += 1
-            return self._binding("device", key)
+            return "device", self.slots["device"][key]
         host = self.policies["host"]
         if key in host:
             host.access(key)
@@ -219,12 +236,10 @@ class ExpertStore:
         else:
             stats.disk_misses += 1
             step = host.access(key)
-            staged = self._read_from_disk(key, stats)
+            source = ("staging", self._read_from_disk(key, stats))
             if step.admitted:
                 self._evict("host", step.evicted, stats)
-                source = ("host", self._load("host", key, staged))
-            else:
-                source = ("staging", 0)
+                source = ("host", self._load("host", key, self._slot_array(*source)))
         if self.pools["device"].n_slots and \
                 self.planner.choose(self.layouts[layer].expert_bytes, n_tokens) == "transfer":
             step = device.access(key)
@@ -235,18 +250,32 @@ class ExpertStore:
                 stats.stall_seconds += time.perf_counter() - started
                 stats.transfers += 1
                 stats.transfer_bytes += self.layouts[layer].expert_bytes
-                return self._binding("device", key)
+                return "device", self.slots["device"][key]
         stats.computed_in_place += 1
-        return self._bound_slot(source[0], source[1], layer)
+        return source
 
-    def _read_from_disk(self, key: tuple[int, int], stats: LayerStats) -> np.ndarray:
-        """Read an expert into the staging slot; returns that slot."""
-        layout, slot = self.layouts[key[0]], self.staging.slot(0)
+    def _still_held(self, key: tuple[int, int], place: tuple[str, int],
+                    stats: LayerStats) -> tuple[str, int]:
+        """Where the expert's bytes are for the second pass: where they were, unless evicted."""
+        pool, index = place
+        if self._pool(pool).holder.get(index) == key:
+            return place
+        stats.refetches += 1
+        for tier in ("device", "host"):
+            if key in self.slots[tier]:
+                return tier, self.slots[tier][key]
+        return "staging", self._read_from_disk(key, stats)
+
+    def _read_from_disk(self, key: tuple[int, int], stats: LayerStats) -> int:
+        """Read an expert into the next staging slot of the ring; returns that slot."""
+        layout, index = self.layouts[key[0]], self._ring_next
+        self._ring_next = (index + 1) % self.staging.n_slots
+        self.staging.holder[index] = key
         before = self.disk.stats.seconds
-        self.disk.read_expert(layout, key[1], slot)
+        self.disk.read_expert(layout, key[1], self.staging.slot(index))
         stats.stall_seconds += self.disk.stats.seconds - before
         stats.disk_bytes += layout.expert_bytes
-        return slot
+        return index
 
     def _load(self, tier: str, key: tuple[int, int], source: np.ndarray) -> int:
         """Copy an expert's bytes into a free slot of ``tier``; returns the slot."""
@@ -265,11 +294,11 @@ class ExpertStore:
         else:
             stats.host_evictions += 1
 
-    def _slot_array(self, pool: str, index: int) -> np.ndarray:
-        return (self.staging if pool == "staging" else self.pools[pool]).slot(index)
+    def _pool(self, name: str) -> SlotPool:
+        return self.staging if name == "staging" else self.pools[name]
 
-    def _binding(self, tier: str, key: tuple[int, int]) -> _Slot:
-        return self._bound_slot(tier, self.slots[tier][key], key[0])
+    def _slot_array(self, pool: str, index: int) -> np.ndarray:
+        return self._pool(pool).slot(index)
 
     def _bound_slot(self, pool: str, index: int, layer: int) -> _Slot:
         """The slot's bytes bound as this layer's expert layout; bound once per slot and layout."""

@@ -6,11 +6,13 @@ fused gate_up (gate rows first), then down, plus per-expert bias vectors in some
 offload store moves is all of them together.
 
 The resident runner here multiplies through whole stacks in the mapped file; the offload store
-multiplies each expert from wherever its bytes are, as a one-expert stack. Both give
-bit-identical logits: ggml's ``mul_mat_id`` multiplies each expert's tokens as one group whatever
-stack holds the expert (docs/KERNELS.md, "Exactness across tiers"); both cut a batch into the
-same pieces of at most ``MAX_TOKENS_PER_CALL`` tokens (``token_pieces``); and the torch math
-between the products (``expert_hidden``, biases, ``combine``) runs per expert on the same shapes.
+multiplies each expert from wherever its bytes are, as a one-expert stack, and gathers the rows
+into the same tensors. Both give bit-identical logits: ggml's ``mul_mat_id`` multiplies each
+expert's tokens as one group whatever stack holds the expert (docs/KERNELS.md, "Exactness
+across tiers"); both cut a batch into the same pieces of at most ``MAX_TOKENS_PER_CALL`` tokens
+(``token_pieces``); and both run the torch math between the products (``hidden``, ``output``,
+``combine``) on whole [T*K, ...] tensors of the same shapes. (Elementwise torch ops are not
+position-independent at the last bit: tails and thread splits take a scalar path.)
 
 Legend: N tokens, T tokens of one piece, K experts picked per token, D model width,
 F expert width, O a part's output width, X experts in the layer.
@@ -115,28 +117,24 @@ def group_picks(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     return list(zip(used.tolist(), order.split(counts.tolist())))
 
 
-def expert_hidden(layout: ExpertLayout, activation: str, first: torch.Tensor,
-                  up: torch.Tensor | None, biases: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One expert's hidden rows [M, F] from its gate_up rows [M, 2F] (``up`` None) or gate and
-    up rows [M, F] each; ``biases``: that expert's bias vectors by part.
-
-    Every runner calls this per expert on exactly that expert's rows, so the elementwise
-    torch ops see the same shapes whatever the runner, and give the same bits.
-    """
+def hidden(activation: str, first: torch.Tensor, up: torch.Tensor | None,
+           vectors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Hidden rows [P, F] of P picks from their gate_up rows [P, 2F] (``up`` None) or gate and up
+    rows [P, F] each; ``vectors``: the picks' bias rows by part ([P, O])."""
     if up is None:  # fused: gate rows first
-        if "gate_up" in biases:
-            first = first + biases["gate_up"]
+        if "gate_up" in vectors:
+            first = first + vectors["gate_up"]
         half = first.shape[-1] // 2
-        gate, up = first[:, :half], first[:, half:]  # [M, F] each
+        gate, up = first[:, :half], first[:, half:]  # [P, F] each
     else:
-        gate = first + biases["gate"] if "gate" in biases else first
-        up = up + biases["up"] if "up" in biases else up
-    return ACTIVATIONS[activation](gate, up)  # [M, F]
+        gate = first + vectors["gate"] if "gate" in vectors else first
+        up = up + vectors["up"] if "up" in vectors else up
+    return ACTIVATIONS[activation](gate, up)  # [P, F]
 
 
-def expert_output(down: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One expert's output rows [M, D] from its down-projection rows: plus its down bias,
-    times its output scale, where the family has them (per expert, like ``expert_hidden``)."""
+def output(down: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Output rows [P, D] from the picks' down-projection rows: plus their down bias, times
+    their output scale ([P, 1]), where the family has them."""
     if "down" in vectors:
         down = down + vectors["down"]
     return down * vectors["scale"] if "scale" in vectors else down
@@ -182,29 +180,18 @@ class QuantResidentExperts:
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] -> [T, D]: whole-stack products, per-expert torch math."""
+        """x [T, D], ids/weights [T, K] -> [T, D]."""
         layout, n_picks = self.layouts[layer], ids.numel()
-        kinds = ("gate_up",) if layout.fused else ("gate", "up")
-        firsts = [self._stacks[layer, kind].matmul(x, ids).view(n_picks, -1) for kind in kinds]
-        groups = group_picks(ids)
-        hidden = None
-        for expert, picks in groups:
-            rows = [f[picks] for f in firsts]  # [M, 2F] or [M, F] twice
-            h = expert_hidden(layout, self.activation, rows[0], rows[1] if len(rows) > 1 else None,
-                              self._expert_biases(layer, expert))  # [M, F]
-            if hidden is None:
-                hidden = x.new_empty(n_picks, h.shape[1])  # [T*K, F]
-            hidden[picks] = h
-        y = self._stacks[layer, "down"].matmul(hidden.view(*ids.shape, -1), ids)  # [T, K, D]
-        if layout.biases.keys() & {"down", "scale"}:
-            flat = y.view(n_picks, -1)  # [T*K, D]
-            for expert, picks in groups:
-                flat[picks] = expert_output(flat[picks], self._expert_biases(layer, expert))
-        return combine(y, weights)
-
-    def _expert_biases(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
-        """One expert's vector pieces by kind: biases [O], scale [1]."""
-        return {kind: self._biases[layer, kind][expert] for kind in self.layouts[layer].biases}
+        vectors = {kind: self._biases[layer, kind][ids.flatten()] for kind in layout.biases}
+        if layout.fused:
+            first = self._stacks[layer, "gate_up"].matmul(x, ids).view(n_picks, -1)  # [T*K, 2F]
+            h = hidden(self.activation, first, None, vectors)  # [T*K, F]
+        else:
+            h = hidden(self.activation,
+                       self._stacks[layer, "gate"].matmul(x, ids).view(n_picks, -1),
+                       self._stacks[layer, "up"].matmul(x, ids).view(n_picks, -1), vectors)
+        y = self._stacks[layer, "down"].matmul(h.view(*ids.shape, -1), ids)  # [T, K, D]
+        return combine(output(y.view(n_picks, -1), vectors).view(*ids.shape, -1), weights)
 
 
 def _stack_bytes(gguf: GGUFFile, part: ExpertPart) -> memoryview:
