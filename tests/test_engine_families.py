@@ -111,3 +111,11 @@ def test_one_expert_is_read_alone_and_equals_its_slice(family_files):
         assert torch.equal(stacked[0], stacked[1])
         for source in sources:
             assert torch.equal(source.expert(layer, 3, kind), stacked[0][3])
+
+
+def test_gemma4_vision_bidirectional_attention_leaves_text_causal(tmp_path):
+    """The published Gemma 4 config says use_bidirectional_attention "vision": image tokens
+    only, so a text prompt runs exactly as the causal model does."""
+    reference = tiny_models.save("gemma4", tmp_path, use_bidirectional_attention="vision")
+    expected = tiny_models.reference_logits(reference, PROMPT.tolist())
+    assert relative_error(full_logits(load_model(tmp_path), PROMPT), expected) <= 1e-4

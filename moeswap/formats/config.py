@@ -473,9 +473,10 @@ def _gemma4_config(hf: dict[str, Any], folder: Path, full_rope: dict[str, Any],
     if hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers"):
         raise MoeswapError(f"{folder}/config.json: Gemma 4 with per-layer embeddings or shared "
                            "KV layers (E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
-    if hf.get("use_double_wide_mlp") or hf.get("use_bidirectional_attention"):
+    # "vision" makes only image tokens attend both ways: text alone stays causal.
+    if hf.get("use_double_wide_mlp") or hf.get("use_bidirectional_attention") == "all":
         raise MoeswapError(f"{folder}/config.json: Gemma 4 with use_double_wide_mlp or "
-                           "bidirectional attention is not supported")
+                           "use_bidirectional_attention 'all' is not supported")
     per_layer = hf.get("per_layer_config") or {}
     full = next((per_layer.get(str(i), {}) for i, s in enumerate(swa_layers) if not s), {})
     head_dim_full = hf.get("global_head_dim") or full.get("head_dim") or hf["head_dim"]
