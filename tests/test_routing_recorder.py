@@ -64,7 +64,8 @@ def test_recorded_experts_are_what_the_router_chose(folders, family, normalize, 
     for p, ids in enumerate(greedy_rows(folder, TEXTS, NEW_TOKENS)):
         rows = slice(trace.prompt_offsets[p], trace.prompt_offsets[p + 1])
         assert rows.stop - rows.start == len(ids)
-        for column, (chosen, weights, probs) in enumerate(reference_routing(hf_model, ids, k, normalize, scale)):
+        reference = reference_routing(hf_model, ids, k, normalize, scale)
+        for column, (chosen, weights, probs) in enumerate(reference):
             recorded = trace.expert_ids[rows, column]
             # Two engines agree to ~1e-6; only a near-tie between the k-th and next expert may flip.
             ordered = np.sort(probs, axis=-1)[:, ::-1]
@@ -72,7 +73,8 @@ def test_recorded_experts_are_what_the_router_chose(folders, family, normalize, 
             margins.append(margin.min())
             clear = margin > 1e-4
             np.testing.assert_array_equal(recorded[clear], chosen[clear])
-            np.testing.assert_allclose(trace.weights[rows, column][clear], weights[clear], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(trace.weights[rows, column][clear], weights[clear],
+                                       rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(trace.router_probs[rows, column].astype(np.float32), probs, atol=1e-3)
     assert min(margins) > 1e-4, "a near-tie hid a row from the check; pick other texts"
 
@@ -139,7 +141,8 @@ def test_recorder_tells_sequences_apart_by_cache_and_names_phases():
     recorder.record(4, ids[:3].flip(0), w[:3], None)
     recorder.begin_forward([(0, 1)], [0], [a])  # a's cache at 0 again: a new sequence
     recorder.record(4, ids[:1], w[:1], None)
-    trace = recorder.trace(model="m", arch="llama", layers=[4], n_experts=4, k=2, prompt_names=["x", "y", "z"])
+    trace = recorder.trace(model="m", arch="llama", layers=[4], n_experts=4, k=2,
+                           prompt_names=["x", "y", "z"])
     assert trace.prompt_offsets.tolist() == [0, 4, 8, 9]
     assert trace.expert_ids[:, 0].tolist() == [[0, 1], [1, 2], [2, 3], [2, 3],  # x: 3 + 1 decoded
                                                [3, 0], [0, 2], [1, 2], [0, 1],  # y: 2 + a chunk of 2
