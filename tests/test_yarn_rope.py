@@ -8,7 +8,7 @@ import torch
 from transformers import GptOssConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from moeswap.formats.config import yarn_from_hf
+from moeswap.formats.rope_scaling import yarn_from_hf
 from moeswap.models.blocks import Rope
 
 GPT_OSS = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,

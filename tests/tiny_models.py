@@ -3,14 +3,14 @@
 Shapes are chosen to exercise what each family does differently: GQA everywhere (except
 OLMoE, whose llama.cpp loader wants a k-norm as wide as n_embd), Qwen2-MoE's gated shared
 expert, Qwen3-MoE's explicit head size and per-head q/k norms, Granite's multipliers and
-shared expert, Gemma 3's five local + one global layers with a 4-token window, DeepSeek-V2's
-MLA with query compression, a leading dense layer, 2 shared experts, a routed scaling factor and
-YaRN with DeepSeek's mscale (and the V2-Lite form: no query compression, which llama.cpp
-recognises only at 26 or 27 layers; 24 of them dense to keep it fast), GPT-OSS's sinks, biases everywhere, YaRN (truncated: the form
-llama.cpp computes) and alternating 4-token-window / global layers, Gemma 4's
-MoE block beside the dense FFN, wider global heads with fewer kv heads and keys as values,
-proportional RoPE on a quarter of each global head; and the same inside Gemma 4's multimodal
-wrapper (tensors under model.language_model., as the 26B-A4B checkpoint is published).
+shared expert, Gemma 3's five local + one global layers with a 4-token window; DeepSeek-V2's
+MLA with query compression, a leading dense layer, 2 shared experts, a routed scaling factor
+and YaRN with DeepSeek's mscale, and its V2-Lite form (no query compression, which llama.cpp
+recognises only at 26 or 27 layers; 24 of them dense to keep it fast); GPT-OSS's sinks, biases
+everywhere, YaRN (truncated: the form llama.cpp computes) and alternating 4-token-window /
+global layers; Gemma 4's MoE block beside the dense FFN, wider global heads with fewer kv heads
+and keys as values, proportional RoPE on a quarter of each global head, also inside Gemma 4's
+multimodal wrapper (tensors under model.language_model., as the 26B-A4B checkpoint is published).
 """
 
 from __future__ import annotations

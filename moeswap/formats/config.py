@@ -18,24 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from moeswap.errors import MoeswapError
-
-
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN RoPE scaling (GPT-OSS, DeepSeek-V2): frequencies blend interpolated (/ factor) and
-    original values along a ramp between the correction dims of beta_fast and beta_slow."""
-
-    factor: float
-    orig_ctx: int  # the pre-training context the correction dims are computed for
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True  # floor/ceil the correction dims (llama.cpp always does)
-    mscale: float = 1.0  # cos/sin multiplier ("attention factor")
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
-    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+from moeswap.formats.rope_scaling import Yarn, yarn_from_gguf, yarn_from_hf, yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -222,7 +205,7 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
     if scaling_type not in ("none", "linear", "yarn") and rope_factor not in (0.0, 1.0):
         raise MoeswapError(f"{gguf_file.path}: RoPE scaling '{scaling_type}' is not supported "
                            "(supported: none, linear, yarn)")
-    yarn = _yarn_from_gguf(gguf_file.path, key, arch) if scaling_type == "yarn" else None
+    yarn = yarn_from_gguf(gguf_file.path, key, arch) if scaling_type == "yarn" else None
     n_embd = int(required("embedding_length"))
     head_dim = int(key("attention.key_length", 0))
     embedding_scale = float(key("embedding_scale", 0.0) or 1.0)
@@ -291,23 +274,6 @@ def _check_gemma4_gguf(path: Any, key: Callable[..., Any]) -> None:
     if key("embedding_length_per_layer_input", 0) or key("attention.shared_kv_layers", 0):
         raise MoeswapError(f"{path}: Gemma 4 with per-layer embeddings or shared KV layers "
                            "(E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
-
-
-def _yarn_from_gguf(path: Any, key: Callable[..., Any], arch: str) -> Yarn | None:
-    """llama.cpp's YaRN: cos/sin times mscale(factor) * rope.scaling.attn_factor, except for
-    DeepSeek-V2 with a log multiplier, where llama.cpp takes mscale = mscale_all_dim (ratio 1)."""
-    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
-    if factor <= 1.0:
-        return None
-    orig_ctx = key("rope.scaling.original_context_length")
-    if not orig_ctx:
-        raise MoeswapError(f"{path}: YaRN RoPE scaling without "
-                           f"'{arch}.rope.scaling.original_context_length'")
-    deepseek_log_mul = arch == "deepseek2" and key("rope.scaling.yarn_log_multiplier", 0.0)
-    mscale = 1.0 if deepseek_log_mul else yarn_mscale(factor)
-    return Yarn(factor, int(orig_ctx), float(key("rope.scaling.yarn_beta_fast", 32.0)),
-                float(key("rope.scaling.yarn_beta_slow", 1.0)), True,
-                mscale * float(key("rope.scaling.attn_factor", 1.0)))
 
 
 def _check_deepseek2_gguf(path: Any, key: Callable[..., Any]) -> None:
@@ -487,20 +453,6 @@ def _gemma4_config(hf: dict[str, Any], folder: Path, full_rope: dict[str, Any],
                 n_head_kv=full.get("num_key_value_heads") or hf["num_key_value_heads"],
                 n_head_kv_swa=hf["num_key_value_heads"],
                 rope_partial=float(full_rope.get("partial_rotary_factor", 1.0)))
-
-
-def yarn_from_hf(params: dict[str, Any], hf: dict[str, Any]) -> Yarn:
-    """transformers' _compute_yarn_parameters."""
-    orig = params["original_max_position_embeddings"]
-    factor = params.get("factor") or hf["max_position_embeddings"] / orig
-    mscale = params.get("attention_factor")
-    if mscale is None:
-        if params.get("mscale") and params.get("mscale_all_dim"):
-            mscale = yarn_mscale(factor, params["mscale"]) / yarn_mscale(factor, params["mscale_all_dim"])
-        else:
-            mscale = yarn_mscale(factor)
-    return Yarn(float(factor), int(orig), float(params.get("beta_fast") or 32.0),
-                float(params.get("beta_slow") or 1.0), bool(params.get("truncate", True)), float(mscale))
 
 
 def _check_deepseek2_hf(hf: dict[str, Any], folder: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from moeswap.formats.config import Yarn
+from moeswap.formats.rope_scaling import Yarn
 
 
 # A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
