@@ -179,3 +179,42 @@ def test_run_command_reports_the_store(tmp_path, capsys):
     assert "layer 1: hit rate" in err
     assert main(["run", str(path), "-p", "abc", "--host-mem", "1KiB"]) == 2
     assert "below the shared weights" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0"])
+def calm_mixtral(request, tmp_path_factory):
+    """Weights of std 0.02: a model where one rounding difference does not grow (see
+    test_quant_forward), so that two kernels can be compared with a tight bound."""
+    folder = tmp_path_factory.mktemp("calm")
+    tiny_models.save("mixtral", folder / "hf", initializer_range=0.02)
+    return convert(folder / "hf", folder / f"model.{request.param}.gguf", request.param)
+
+
+def test_torch_device_tier_agrees_with_the_cpu_kernels(calm_mixtral):
+    """The device path (written for CUDA) on CPU tensors: uploads through the staging ring,
+    products dequantized on the device with ggml's activation rounding."""
+    resident = load_model(calm_mixtral, threads=1, expert_runner=QuantResidentExperts)
+    expected = decode_logits(resident)
+    _, _, layers, n_experts = plan(calm_mixtral)
+    for device_slots in (len(layers), len(layers) * n_experts):
+        model, factory = store_model(calm_mixtral, 1, device_slots, miss="transfer",
+                                     device_backend="cpu")
+        got = decode_logits(model)
+        assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-4
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        total = factory.stats()["total"]
+        assert total["transfers"] > 0
+    assert total["device_hits"] > 0  # with room for every expert, the second use is a hit
+
+
+def test_uploads_through_the_staging_ring_land_in_their_slots():
+    from moeswap.experts.device import TorchDeviceSlots
+
+    slots = TorchDeviceSlots("cpu", 3, 64, ring=2)
+    sources = [np.full(64, i, dtype=np.uint8) for i in range(5)]
+    for i, source in enumerate(sources[:3]):
+        slots.upload(slots.take(("layer", i)), source)
+    slots.release(1)
+    slots.upload(slots.take(("layer", 3)), sources[3])  # reuses slot 1 and ring buffer 1
+    assert [int(slots.slot(i)[0]) for i in range(3)] == [0, 3, 2]
+    assert slots.holder == {0: ("layer", 0), 1: ("layer", 3), 2: ("layer", 2)}

@@ -19,7 +19,8 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                    help="RAM budget, e.g. 8GiB: shared weights, the KV cache and host-tier experts; "
                         "the other experts are read from the file when used (default: all in RAM)")
     g.add_argument("--device-mem", metavar="SIZE", default="0",
-                   help="device-tier budget for experts (default 0: none)")
+                   help="device-tier budget for experts: GPU memory with CUDA, else RAM "
+                        "(default 0: none)")
     g.add_argument("--policy", default="lru", help=f"which experts stay: {POLICY_HELP} (lru)")
     g.add_argument("--miss", choices=MISS_MODES, default="auto",
                    help="on a miss: move the expert up a tier (transfer), compute it where it lies "
@@ -39,6 +40,9 @@ def store_factory(args, context_tokens: int):
     from moeswap.experts.store import ExpertStore, StoreOptions
 
     device = parse_size(args.device_mem)
+    import torch
+
+    backend = "cuda" if device and torch.cuda.is_available() else "ram"
     rates = None
     if device and args.miss == "auto":
         from moeswap.experts.probe import cached_rates
@@ -47,7 +51,7 @@ def store_factory(args, context_tokens: int):
     return ExpertStore.factory(StoreOptions(
         host_bytes=parse_size(args.host_mem), device_bytes=device, context_tokens=context_tokens,
         policy=args.policy, miss=args.miss, threshold=args.expert_threshold,
-        cold_reads=args.cold_reads, rates=rates))
+        cold_reads=args.cold_reads, rates=rates, device_backend=backend))
 
 
 def stats_lines(stats: dict) -> list[str]:

@@ -1,8 +1,9 @@
 """``moeswap probe``: measure this machine's rates for the cost model, and cache them.
 
 Measured: cold reads of a scratch file (written, synced, dropped from the page cache with
-``posix_fadvise DONTNEED``, then read with ``pread``), a RAM copy (the link on a CPU-only
-machine), and a one-token Q8_0 product through the CPU kernels (bytes of weights per second).
+``posix_fadvise DONTNEED``, then read with ``pread``), a one-token Q8_0 product through the CPU
+kernels (bytes of weights per second), and the link: a RAM copy on a CPU-only machine; with
+CUDA, a pinned host-to-device copy, and the device tier's own product for ``device_compute``.
 The result is cached as JSON (default ``~/.cache/moeswap/probe.json``) keyed by host name and
 thread count, and reused until ``refresh`` is asked for.
 """
@@ -73,11 +74,33 @@ def measure_cpu_compute(kernels: CpuKernels) -> float:
     return raw.nbytes / _best_seconds(lambda: matrix.matmul(x), 10)
 
 
+def measure_cuda() -> tuple[float, float]:
+    """(pinned host-to-device copy, device product over Q8_0 bytes) in bytes per second."""
+    from moeswap.experts.device import _DeviceMatrix
+
+    host = torch.ones(_SIZE, dtype=torch.uint8).pin_memory()
+    device = torch.empty(_SIZE, dtype=torch.uint8, device="cuda")
+
+    def copy():
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    rows = width = 8192
+    raw = quantize_rows(np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32),
+                        GGMLQuantizationType.Q8_0)
+    matrix = _DeviceMatrix(torch.from_numpy(raw).reshape(-1).cuda(), GGMLQuantizationType.Q8_0,
+                           (width, rows))
+    x, ids = torch.ones(1, width), torch.zeros(1, 1, dtype=torch.int32)
+    return _SIZE / _best_seconds(copy), raw.nbytes / _best_seconds(lambda: matrix.matmul(x, ids))
+
+
 def probe(threads: int | None = None, folder: str | os.PathLike | None = None) -> Rates:
     kernels = CpuKernels(threads)
     compute = measure_cpu_compute(kernels)
-    return Rates(disk_read=measure_disk_read(folder), link=measure_ram_copy(),
-                 host_compute=compute, device_compute=compute)
+    link, device_compute = measure_cuda() if torch.cuda.is_available() else \
+        (measure_ram_copy(), compute)
+    return Rates(disk_read=measure_disk_read(folder), link=link, host_compute=compute,
+                 device_compute=device_compute)
 
 
 def _key(threads: int | None) -> str:

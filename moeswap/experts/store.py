@@ -35,6 +35,7 @@ import torch
 from moeswap.errors import MoeswapError
 from moeswap.experts import policies as p
 from moeswap.experts.cost import MissPlanner, Rates
+from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.options import kv_bytes_per_token
 from moeswap.experts.stats import LayerStats, total
 from moeswap.experts.tiers import DiskReader, SlotPool, piece_offsets, slot_bytes
@@ -88,6 +89,9 @@ class StoreOptions:
     threshold: float = 0.0  # --expert-threshold: drop picks weighted under it (approximation)
     cold_reads: bool = False  # drop read bytes from the page cache (for measurements)
     rates: Rates | None = None  # None: the cost model gets the rates of a CPU-only machine
+    # "ram": device slots are RAM computed by the CPU kernels (a CPU-only machine's device form);
+    # a torch device ("cuda", or "cpu" to test that path): slots there, products computed there.
+    device_backend: str = "ram"
 
 
 # Rates used when none are measured: a CPU-only machine, where computing in place always wins.
@@ -132,7 +136,8 @@ class ExpertStore:
         device_slots = options.device_bytes // self.slot_size if self.slot_size else 0
         self.budgets = {"host": options.host_bytes, "device": options.device_bytes}
         self.charged = {"host": charged, "device": 0}
-        self.pools = {"device": SlotPool("device", device_slots, self.slot_size),
+        self.on_torch_device = options.device_backend != "ram"
+        self.pools = {"device": self._device_pool(options.device_backend, device_slots),
                       "host": SlotPool("host", host_slots, self.slot_size)}
         self.policies = {tier: live_policy(options.policy, pool.n_slots)
                          for tier, pool in self.pools.items()}
@@ -145,6 +150,16 @@ class ExpertStore:
             for key in sorted(policy.resident()):  # pre-filled policies (a pinned hot set)
                 staged = self._read_from_disk(key, self.layer_stats[key[0]])
                 self._load(tier, key, self.staging.slot(staged))
+
+    def _device_pool(self, backend: str, n_slots: int) -> SlotPool | TorchDeviceSlots:
+        if backend == "ram":
+            return SlotPool("device", n_slots, self.slot_size)
+        odd = sorted({p.name for layout in self.layouts.values() for p in layout.matrices.values()
+                      if p.ggml_type not in DEVICE_TYPES})
+        if odd and n_slots:
+            raise MoeswapError(f"'{odd[0]}' has a type the {backend} device tier cannot compute "
+                               "yet (F32, F16, Q8_0 and Q4_0 it can); leave --device-mem at 0")
+        return TorchDeviceSlots(backend, n_slots, self.slot_size)
 
     @classmethod
     def factory(cls, options: StoreOptions) -> "StoreFactory":
@@ -281,7 +296,10 @@ class ExpertStore:
         """Copy an expert's bytes into a free slot of ``tier``; returns the slot."""
         pool = self.pools[tier]
         index = pool.take(key)
-        pool.slot(index)[:] = source
+        if tier == "device" and self.on_torch_device:
+            pool.upload(index, source)
+        else:
+            pool.slot(index)[:] = source
         self.slots[tier][key] = index
         return index
 
@@ -303,6 +321,8 @@ class ExpertStore:
     def _bound_slot(self, pool: str, index: int, layer: int) -> _Slot:
         """The slot's bytes bound as this layer's expert layout; bound once per slot and layout."""
         layout = self.layouts[layer]
+        if pool == "device" and self.on_torch_device:
+            return self.pools["device"].expert(index, layout)
         signature = hash(tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts))
         key = (pool, index, signature)
         if key not in self._bound:

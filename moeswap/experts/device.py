@@ -1,0 +1,140 @@
+"""The device tier on a torch device: slots in device memory, uploads through a pinned staging
+ring on a copy stream, and the products computed there from the stored bytes.
+
+``TorchDeviceSlots`` is written for CUDA and runs the same code on CPU tensors (``device="cpu"``),
+which is how it is tested here: on CPU the "streams" are absent, copies are synchronous and
+events are no-ops. On CUDA:
+
+- the pool is one ``uint8`` tensor in device memory, allocated once and cut into slots;
+- an upload copies the expert's bytes into the next buffer of a small ring of pinned host
+  buffers (after that buffer's previous copy has finished, its event), then copies it to the
+  slot on a dedicated copy stream and records an event; the compute stream waits on that event
+  before it first reads the slot, so uploads overlap with compute without ever racing it;
+- products dequantize the expert's matrix on the device and multiply in float32, with the
+  activations rounded first the way ggml rounds them on the CPU (Q8_0 blocks for Q4_0 / Q8_0),
+  so that device and CPU results differ only by float summation order.
+
+Types: F32, F16, Q8_0 and Q4_0 (``DEVICE_TYPES``); a model with other expert types keeps its
+experts off the device (the store refuses ``--device-mem`` for it).
+
+Legend: M rows (tokens) of one expert, I input width, O output width, B blocks per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from moeswap.experts.tiers import piece_offsets
+from moeswap.models.quant_experts import ExpertLayout
+
+DEVICE_TYPES = frozenset({int(Q.F32), int(Q.F16), int(Q.Q8_0), int(Q.Q4_0)})
+_VECTOR_DTYPES = {int(Q.F32): torch.float32, int(Q.F16): torch.float16}
+
+
+def dequantize(raw: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.Tensor:
+    """Stored bytes (uint8, any device) of a [rows, cols] matrix -> float32 [rows, cols]."""
+    if ggml_type in _VECTOR_DTYPES:
+        return raw.view(_VECTOR_DTYPES[ggml_type]).float().view(rows, cols)
+    blocks = raw.view(rows, cols // 32, -1)  # [O, B, bytes per block]
+    scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [O, B, 1]
+    if ggml_type == Q.Q8_0:
+        quants = blocks[..., 2:].contiguous().view(torch.int8).float()  # [O, B, 32]
+    else:  # Q4_0: low nibbles are values 0..15, high nibbles 16..31, both offset by 8
+        packed = blocks[..., 2:].to(torch.int16)  # [O, B, 16]
+        quants = (torch.cat((packed & 0xF, packed >> 4), dim=-1) - 8).float()  # [O, B, 32]
+    return (quants * scale).view(rows, cols)
+
+
+def round_like_ggml(x: torch.Tensor) -> torch.Tensor:
+    """Rows rounded to Q8_0 blocks as ggml's CPU quantize_row_q8_0 does for Q4_0/Q8_0 weights:
+    d = amax / 127 kept as fp16, q = round(x * 127 / amax)."""
+    blocks = x.view(x.shape[0], -1, 32)  # [M, B, 32]
+    amax = blocks.abs().amax(dim=-1, keepdim=True)  # [M, B, 1]
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    d = (amax / 127.0).half().float()
+    return (torch.round(blocks * inverse) * d).view_as(x)
+
+
+class _DeviceMatrix:
+    """One expert matrix in a device slot, with the one-expert-stack call shape of ggml's."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, ne: tuple[int, int]):
+        self.raw, self.ggml_type, (self.in_features, self.out_features) = raw, ggml_type, ne
+
+    def matmul(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [M, I] (ids: [M, 1], all 0) -> [M, 1, O] on the CPU, like QuantExperts.matmul."""
+        w = dequantize(self.raw, self.ggml_type, self.out_features, self.in_features)  # [O, I]
+        x = x.to(self.raw.device, torch.float32)
+        if self.ggml_type in (Q.Q8_0, Q.Q4_0):
+            x = round_like_ggml(x)
+        return F.linear(x, w)[:, None].cpu()  # [M, 1, O]
+
+
+class DeviceExpert:
+    """An expert's pieces in a device slot, in the interface the store computes with."""
+
+    def __init__(self, layout: ExpertLayout, slot: torch.Tensor):
+        self.matrices: dict[str, _DeviceMatrix] = {}
+        self.biases: dict[str, torch.Tensor] = {}
+        kinds = [*layout.matrices, *layout.biases]  # the order of layout.parts
+        for kind, part, offset in zip(kinds, layout.parts, piece_offsets(layout)):
+            raw = slot[offset:offset + part.expert_bytes]
+            if part.is_matrix:
+                self.matrices[kind] = _DeviceMatrix(raw, part.ggml_type, part.ne)
+            else:
+                self.biases[kind] = raw.view(_VECTOR_DTYPES[part.ggml_type]).view(-1).cpu()
+
+
+class TorchDeviceSlots:
+    """A pool of expert slots on a torch device, filled through a pinned staging ring."""
+
+    def __init__(self, device: str, n_slots: int, slot_size: int, ring: int = 2):
+        self.device = torch.device(device)
+        self.n_slots, self.slot_size = n_slots, slot_size
+        self.nbytes = n_slots * slot_size
+        self.pool = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        cuda = self.device.type == "cuda"
+        self.ring = [torch.empty(slot_size, dtype=torch.uint8, pin_memory=cuda) for _ in range(ring)]
+        self._ring_events: list = [None] * ring
+        self._next = 0
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._ready: dict[int, object] = {}  # slot -> event its upload recorded
+        self._free = list(range(n_slots - 1, -1, -1))
+        self.holder: dict[int, object] = {}  # slot -> key of the expert it holds
+
+    def take(self, key) -> int:
+        index = self._free.pop()
+        self.holder[index] = key
+        return index
+
+    def release(self, index: int) -> None:
+        del self.holder[index]
+        self._free.append(index)
+
+    def slot(self, index: int) -> torch.Tensor:
+        return self.pool[index * self.slot_size:(index + 1) * self.slot_size]
+
+    def upload(self, index: int, source: np.ndarray) -> None:
+        """Start copying ``source`` (a host slot) into device slot ``index``."""
+        i, self._next = self._next, (self._next + 1) % len(self.ring)
+        if self._ring_events[i] is not None:
+            self._ring_events[i].synchronize()  # the buffer's previous upload has left it
+        self.ring[i].numpy()[:] = source
+        if self.copy_stream is None:
+            self.slot(index).copy_(self.ring[i])
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.slot(index).copy_(self.ring[i], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        self._ring_events[i] = self._ready[index] = event
+
+    def expert(self, index: int, layout: ExpertLayout) -> DeviceExpert:
+        """The slot's expert, once its upload is done (the compute stream waits for it)."""
+        event = self._ready.pop(index, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        return DeviceExpert(layout, self.slot(index))
