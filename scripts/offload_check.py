@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def generated_model(work_dir: Path, gb: float) -> Path:
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
+    spec = importlib.util.spec_from_file_location("bench_decode",
+                                                  ROOT / "scripts" / "bench_decode.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     path = work_dir / f"mixtral-shaped-{gb:g}gb-q8_0.gguf"

@@ -143,7 +143,8 @@ def test_budgets_hold_and_accounting_equals_the_bytes_held(mixtral_q8, data):
     for _ in range(data.draw(st.integers(1, 8), label="steps")):
         layer = data.draw(st.sampled_from(layers))
         n_tokens = data.draw(st.integers(1, 5))
-        ids = torch.tensor([data.draw(st.permutations(range(n_experts)))[:2] for _ in range(n_tokens)])
+        ids = torch.tensor([data.draw(st.permutations(range(n_experts)))[:2]
+                            for _ in range(n_tokens)])
         weights = torch.rand(n_tokens, 2)
         x = torch.randn(n_tokens, 64)
         assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))

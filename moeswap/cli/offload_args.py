@@ -16,8 +16,9 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("expert offload (GGUF files)")
     g.add_argument("--host-mem", metavar="SIZE",
-                   help="RAM budget, e.g. 8GiB: shared weights, the KV cache and host-tier experts; "
-                        "the other experts are read from the file when used (default: all in RAM)")
+                   help="RAM budget, e.g. 8GiB, for shared weights, the KV cache and host-tier "
+                        "experts; the others are read from the file when used "
+                        "(default: all in RAM)")
     g.add_argument("--device-mem", metavar="SIZE", default="0",
                    help="device-tier budget for experts: GPU memory with CUDA, else RAM "
                         "(default 0: none)")
@@ -59,10 +60,12 @@ def stats_lines(stats: dict) -> list[str]:
     if not stats:
         return []
     t = stats["total"]
-    lines = [f"experts: {t['requests']} used, hit rate {t['hit_rate']:.1%} (device {t['device_hits']}, "
-             f"host {t['host_hits']}), disk misses {t['disk_misses']} ({t['disk_bytes'] / 2**20:.1f} MiB), "
-             f"transfers {t['transfers']}, computed in place {t['computed_in_place']}, evictions "
-             f"{t['device_evictions'] + t['host_evictions']}, stalled {t['stall_seconds']:.2f} s"]
+    lines = [f"experts: {t['requests']} used, hit rate {t['hit_rate']:.1%} "
+             f"(device {t['device_hits']}, host {t['host_hits']}), disk misses {t['disk_misses']} "
+             f"({t['disk_bytes'] / 2**20:.1f} MiB), transfers {t['transfers']}, "
+             f"computed in place {t['computed_in_place']}, "
+             f"evictions {t['device_evictions'] + t['host_evictions']}, "
+             f"refetches {t['refetches']}, stalled {t['stall_seconds']:.2f} s"]
     if t["threshold_drops"]:
         lines.append(f"expert threshold (approximation): {t['threshold_drops']} picks dropped, "
                      f"{t['threshold_saved_bytes'] / 2**20:.1f} MiB not read")
@@ -71,6 +74,7 @@ def stats_lines(stats: dict) -> list[str]:
                      f"{s['slot_bytes']} bytes, holds {s['held_bytes'] / 2**20:.1f} MiB of "
                      f"{s['budget_bytes'] / 2**20:.1f} MiB budget")
     for layer, s in stats["layers"].items():
-        lines.append(f"  layer {layer}: hit rate {s['hit_rate']:.1%}, disk misses {s['disk_misses']}, "
-                     f"transfers {s['transfers']}, stalled {s['stall_seconds']:.3f} s")
+        lines.append(f"  layer {layer}: hit rate {s['hit_rate']:.1%}, "
+                     f"disk misses {s['disk_misses']}, transfers {s['transfers']}, "
+                     f"stalled {s['stall_seconds']:.3f} s")
     return lines

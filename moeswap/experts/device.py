@@ -97,7 +97,8 @@ class TorchDeviceSlots:
         self.nbytes = n_slots * slot_size
         self.pool = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         cuda = self.device.type == "cuda"
-        self.ring = [torch.empty(slot_size, dtype=torch.uint8, pin_memory=cuda) for _ in range(ring)]
+        self.ring = [torch.empty(slot_size, dtype=torch.uint8, pin_memory=cuda)
+                     for _ in range(ring)]
         self._ring_events: list = [None] * ring
         self._next = 0
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None

@@ -109,7 +109,7 @@ def _key(threads: int | None) -> str:
 
 def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
                  refresh: bool = False) -> Rates:
-    """The rates measured before on this machine, measuring (and caching) them when there are none."""
+    """This machine's cached rates; measured (and cached) when there are none."""
     entries = json.loads(cache.read_text()) if cache.exists() else {}
     key = _key(threads)
     if refresh or key not in entries:

@@ -70,8 +70,8 @@ def live_policy(spec: str, capacity: int) -> p.CachePolicy:
 
 
 def routed_bytes(gguf: GGUFFile, layers: list[int]) -> int:
-    return sum(ExpertLayout.from_file(gguf, i).expert_bytes * ExpertLayout.from_file(gguf, i).n_experts
-               for i in layers)
+    layouts = [ExpertLayout.from_file(gguf, i) for i in layers]
+    return sum(layout.expert_bytes * layout.n_experts for layout in layouts)
 
 
 def shared_bytes(gguf: GGUFFile, layers: list[int]) -> int:
@@ -110,7 +110,8 @@ class _Slot:
             if part.is_matrix:
                 self.matrices[kind] = kernels.experts(raw, part.ggml_type, (*part.ne, 1), part.name)
             else:
-                self.biases[kind] = torch.from_numpy(raw).view(_BIAS_DTYPES[part.ggml_type]).view(-1)
+                vector = torch.from_numpy(raw).view(_BIAS_DTYPES[part.ggml_type])
+                self.biases[kind] = vector.view(-1)
 
 
 class ExpertStore:
@@ -190,7 +191,8 @@ class ExpertStore:
         keep = None
         if self.options.threshold > 0:
             weights, keep = self._threshold(layout, ids, weights, stats)
-        groups = [(e, picks if keep is None else picks[keep[picks]]) for e, picks in group_picks(ids)]
+        groups = [(e, picks if keep is None else picks[keep[picks]])
+                  for e, picks in group_picks(ids)]
         groups = [(e, picks) for e, picks in groups if picks.numel()]
         self.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
                                  if (layer, e) not in self.policies["device"]])
@@ -206,7 +208,8 @@ class ExpertStore:
                 y = bound.matrices[kind].matmul(rows, zeros)[:, 0]  # [M, F] or [M, 2F]
                 firsts.setdefault(kind, x.new_zeros(n_picks, y.shape[1]))[picks] = y
             for kind, vector in bound.biases.items():
-                vectors.setdefault(kind, x.new_zeros(n_picks, vector.numel()))[picks] = vector.float()
+                rows_of = vectors.setdefault(kind, x.new_zeros(n_picks, vector.numel()))
+                rows_of[picks] = vector.float()
         if not groups:  # every pick dropped: cannot happen, a token's top pick is always kept
             return torch.zeros_like(x)
         h = hidden(self.activation, firsts[kinds[0]], firsts.get("up"), vectors)  # [T*K, F]
@@ -214,7 +217,8 @@ class ExpertStore:
         for expert, picks in groups:
             place = self._still_held((layer, expert), places[expert], stats)
             zeros = torch.zeros(picks.numel(), 1, dtype=torch.int32)
-            y[picks] = self._bound_slot(*place, layer).matrices["down"].matmul(h[picks], zeros)[:, 0]
+            down = self._bound_slot(*place, layer).matrices["down"]
+            y[picks] = down.matmul(h[picks], zeros)[:, 0]  # [M, D]
         return combine(output(y, vectors).view(*ids.shape, -1), weights)
 
     def _threshold(self, layout: ExpertLayout, ids: torch.Tensor, weights: torch.Tensor,
@@ -236,7 +240,7 @@ class ExpertStore:
     # -- residency -------------------------------------------------------------------------
 
     def _serve(self, layer: int, expert: int, n_tokens: int, stats: LayerStats) -> tuple[str, int]:
-        """Make the expert's bytes available as the policies decide; -> (pool, slot) holding them."""
+        """Make the expert's bytes available as the policies decide -> (pool, slot) holding them."""
         key = (layer, expert)
         device = self.policies["device"]
         if key in device:

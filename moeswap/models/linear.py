@@ -59,7 +59,8 @@ class QuantEmbedding:
         self.ggml_type = GGMLQuantizationType(ggml_type)
         block_size, type_size = GGML_QUANT_SIZES[self.ggml_type]
         self.width = ne[0]
-        self.rows = np.frombuffer(raw, dtype=np.uint8).reshape(ne[1], ne[0] // block_size * type_size)
+        row_bytes = ne[0] // block_size * type_size
+        self.rows = np.frombuffer(raw, dtype=np.uint8).reshape(ne[1], row_bytes)  # [V, row bytes]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [N] -> [N, D] float32."""

@@ -2,8 +2,9 @@
 
 A layer's routed experts are stored as stacks (GGUF ne ``(in, out, E)``): gate and up, or one
 fused gate_up (gate rows first), then down, plus per-expert bias vectors in some families
-(GPT-OSS) and a per-expert output scale (Gemma 4, ffn_down_exps.scale). ``ExpertLayout`` describes where one expert's pieces lie in the file; the unit an
-offload store moves is all of them together.
+(GPT-OSS) and a per-expert output scale (Gemma 4, ffn_down_exps.scale). ``ExpertLayout``
+describes where one expert's pieces lie in the file; the unit an offload store moves is all of
+them together.
 
 The resident runner here multiplies through whole stacks in the mapped file; the offload store
 multiplies each expert from wherever its bytes are, as a one-expert stack, and gathers the rows
@@ -34,14 +35,14 @@ _VECTOR_DTYPES = {0: torch.float32, 1: torch.float16}  # ggml type id -> torch d
 
 @dataclass(frozen=True)
 class ExpertPart:
-    """One piece of every expert of a layer: a matrix stack (ne in, out, X) or a bias stack (out, X)."""
+    """One piece of every expert of a layer: a matrix stack (ne in, out, X) or a vector stack."""
 
     name: str  # the stacked tensor's name
     ggml_type: int
     ne: tuple[int, ...]  # one expert's shape: (in, out) for a matrix, (out,) for a bias
     n_experts: int
     data_start: int  # absolute file offset of expert 0
-    expert_bytes: int  # bytes of one expert's piece; expert e starts at data_start + e * expert_bytes
+    expert_bytes: int  # one expert's piece; expert e starts at data_start + e * expert_bytes
 
     @property
     def is_matrix(self) -> bool:
@@ -92,7 +93,8 @@ class ExpertLayout:
                               info.data_start, info.n_bytes // n_experts)
 
         p = f"blk.{layer}.ffn_"
-        kinds = ("gate_up", "down") if gguf.tensor(p + "gate_up_exps.weight") else ("gate", "up", "down")
+        fused = gguf.tensor(p + "gate_up_exps.weight") is not None
+        kinds = ("gate_up", "down") if fused else ("gate", "up", "down")
         matrices = {}
         for kind in kinds:
             found = part(f"{p}{kind}_exps.weight", 3)
@@ -105,7 +107,8 @@ class ExpertLayout:
             biases["scale"] = scale
         for b in biases.values():
             if b.ggml_type not in _VECTOR_DTYPES:
-                raise MoeswapError(f"{gguf.path}: '{b.name}' must be F32 or F16 to be used as a bias")
+                raise MoeswapError(f"{gguf.path}: '{b.name}' must be F32 or F16 to be used "
+                                   "as a bias or scale")
         return cls(layer, matrices, biases)
 
 
@@ -148,7 +151,8 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def token_pieces(n_tokens: int) -> list[tuple[int, int]]:
     """[start, end) pieces of at most MAX_TOKENS_PER_CALL tokens: every runner cuts a batch so,
     because ggml's result for a token may depend on the other tokens of its call."""
-    return [(s, min(s + MAX_TOKENS_PER_CALL, n_tokens)) for s in range(0, n_tokens, MAX_TOKENS_PER_CALL)]
+    return [(start, min(start + MAX_TOKENS_PER_CALL, n_tokens))
+            for start in range(0, n_tokens, MAX_TOKENS_PER_CALL)]
 
 
 class QuantResidentExperts:

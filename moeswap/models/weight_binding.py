@@ -20,8 +20,8 @@ from moeswap.quant import CpuKernels
 
 
 class BoundWeights:
-    def __init__(self, weights: Any, gguf: GGUFFile | None = None, kernels: CpuKernels | None = None,
-                 log: Callable[[str], None] | None = None):
+    def __init__(self, weights: Any, gguf: GGUFFile | None = None,
+                 kernels: CpuKernels | None = None, log: Callable[[str], None] | None = None):
         self.weights = weights  # the float-tensor source (GGUFWeights or SafetensorsWeights)
         self.gguf = gguf  # set for .gguf files: their quantized tensors go to the kernels
         self.kernels = kernels
