@@ -118,8 +118,7 @@ RULES = (
     NameRule(_L + r"router\.proj\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Gemma 4
     NameRule(_L + r"router\.scale", "blk.{layer}.ffn_gate_inp.scale"),  # Gemma 4
     NameRule(_L + r"router\.per_expert_scale", "blk.{layer}.ffn_down_exps.scale"),  # Gemma 4
-    NameRule(_L + r"experts\.gate_up_proj", "blk.{layer}.ffn_gate_exps.weight", "stacked+gate"),  # Gemma 4
-    NameRule(_L + r"experts\.gate_up_proj", "blk.{layer}.ffn_up_exps.weight", "stacked+up"),  # Gemma 4
+    NameRule(_L + r"experts\.gate_up_proj", "blk.{layer}.ffn_gate_up_exps.weight", "stacked"),  # Gemma 4 (fused, gate rows first)
     NameRule(_L + r"experts\.down_proj", "blk.{layer}.ffn_down_exps.weight", "stacked"),  # Gemma 4
     NameRule(_L + r"block_sparse_moe\.router\.layer\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Granite-MoE
     NameRule(_L + r"block_sparse_moe\.input_linear\.weight", "blk.{layer}.ffn_gate_exps.weight", "stacked+gate"),  # Granite-MoE

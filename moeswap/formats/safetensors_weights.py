@@ -60,18 +60,29 @@ class SafetensorsWeights:
         return self._read(parts[0])
 
     def expert(self, layer: int, expert: int, kind: str) -> torch.Tensor:
-        parts = self._parts(f"blk.{layer}.ffn_{kind}_exps.weight")
+        name, rows = self._expert_source(layer, kind)
+        parts = self._parts(name)
         if parts[0].expert is not None:
             if not 0 <= expert < len(parts):
                 raise MoeswapError(f"{self.folder}: expert {expert} out of range "
                                    f"(layer {layer} has {len(parts)} experts)")
-            return self._read(parts[expert])
+            return self._read(parts[expert])[rows]
         part = parts[0]  # stacked [E, out, in]: read only row `expert`
         w = self._handle(part.hf_name).get_slice(part.hf_name)[expert]
-        return self._finish(hf_names.select_part(w, part.ops), part)
+        return self._finish(hf_names.select_part(w, part.ops), part)[rows]
 
     def experts(self, layer: int, kind: str) -> torch.Tensor:
-        return self.tensor(f"blk.{layer}.ffn_{kind}_exps.weight")
+        name, rows = self._expert_source(layer, kind)
+        return self.tensor(name)[:, rows]  # [E, out, in]
+
+    def _expert_source(self, layer: int, kind: str) -> tuple[str, slice]:
+        """The GGUF tensor holding `kind`, and its rows: half of a fused gate_up (gate first)."""
+        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        fused = f"blk.{layer}.ffn_gate_up_exps.weight"
+        if kind == "down" or name in self.plan or fused not in self.plan:
+            return name, slice(None)
+        half = self.tensor_shape(fused)[-2] // 2
+        return fused, slice(0, half) if kind == "gate" else slice(half, 2 * half)
 
     def describe(self, name: str) -> TensorDescription:
         parts = self._parts(name)
