@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
 from moeswap.models.causal_lm import CausalLM, PreNormLayer, assemble, dense_ffn, rope, router
 from moeswap.models.mla import MLAttention, MLAWeights
@@ -23,6 +24,9 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
         attention = MLAttention(i, MLAWeights.from_weights(weights, i), config, rotary)
         if i < config.n_layer_dense_lead:
             ffn: Any = dense_ffn(weights, i)
+        elif weights.has(f"blk.{i}.exp_probs_b.bias"):
+            raise MoeswapError(f"tensor 'blk.{i}.exp_probs_b.bias' (DeepSeek-V3-style selection "
+                               "bias) is not supported; DeepSeek-V2 routing has none")
         else:
             ffn = MoEBlock(i, router(config, weights, i), experts,
                            SharedExpert(dense_ffn(weights, i, "_shexp")), recorder)
