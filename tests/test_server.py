@@ -9,8 +9,10 @@ import json
 import threading
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from gguf import GGUFValueType as T
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import moeswap
 from moeswap.context_window import ContextOverflow, fit_context
@@ -442,3 +444,60 @@ def test_metrics_show_server_and_expert_store_series(tiny_path):
     assert "moeswap_generated_tokens_total " in text and "moeswap_queue_depth 0" in text
     assert "moeswap_expert_hit_rate " in text
     assert 'moeswap_tier_resident_bytes{tier="host"} ' in text
+
+
+class CountingModel:
+    """A fast stand-in for the engine: the next token is the cache length mod the vocabulary."""
+
+    def __init__(self, vocab: int):
+        self.vocab = vocab
+
+    def new_cache(self):
+        return []
+
+    def forward(self, tokens, caches):
+        out = []
+        for ids, cache in zip(tokens, caches):
+            cache.extend(ids.tolist())
+            logits = torch.zeros(len(ids), self.vocab)
+            logits[:, (len(cache) + 4) % self.vocab] = 1.0  # never BOS/EOS-adjacent ids 0..3
+            out.append(logits)
+        return out
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) |
+                    st.floats(allow_nan=False) | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+                    max_leaves=6)
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                           "content": st.text("abcd", max_size=6)}), max_size=3)
+VALID = {  # in range: such a body alone is answered 200
+    "prompt": st.text("abcd", max_size=30) | st.lists(st.integers(4, 31), min_size=1, max_size=4),
+    "messages": MESSAGES.filter(bool), "max_tokens": st.integers(1, 12),
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1), "n": st.integers(1, 3), "stream": st.booleans(),
+    "stop": st.text("abc", max_size=2) | st.lists(st.text("abc", max_size=2), max_size=4),
+    "seed": st.integers(-2**80, 2**80), "repeat_penalty": st.floats(0.5, 2),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+}
+JUNK = st.dictionaries(st.sampled_from(sorted(VALID) + ["model", "logprobs"]),
+                       JSON | st.integers(-10, 100) | st.floats(-5, 5), max_size=2)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       body=st.fixed_dictionaries({"model": st.just(MODEL)}, optional=VALID), junk=JUNK)
+def test_random_bodies_never_get_a_5xx(fast_client, path, body, junk):
+    r = fast_client.post(path, json={**body, **junk})
+    event(f"status {r.status_code}")
+    assert r.status_code < 500, (body, junk, r.text)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def fast_client(runtime):
+    fake = GatedRuntime(runtime)
+    fake.model = CountingModel(runtime.tokenizer.vocab_size)
+    with serve(fake, batch={"ctx": 16}) as client:
+        yield client

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from moeswap.chat_template import ChatTemplateError
-from moeswap.context_window import ContextOverflow, common_prefix_length, fit_context
+from moeswap.context_window import POLICIES, ContextOverflow, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
 from moeswap.sampling import SamplingParams
 from moeswap.server.batching import BatchOptions, BatchScheduler, NotRunning, QueueFull
@@ -42,6 +42,11 @@ class ServerOptions:
     batch: BatchOptions = BatchOptions()
     ctx_policy: str = "error"  # or "keep-recent" (moeswap.context_window)
     api_key: str | None = None
+
+    def __post_init__(self):
+        if self.ctx_policy not in POLICIES:
+            raise MoeswapError(f"--ctx-policy must be one of {', '.join(POLICIES)}, "
+                               f"got {self.ctx_policy!r}")
 
 
 class ApiError(Exception):
@@ -152,7 +157,8 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
             raise ApiError(400, "prompt: empty; give at least one token", param="prompt")
         params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                                 min_p=body.min_p, repeat_penalty=body.repeat_penalty,
-                                seed=body.seed, repeat_last_n=64)
+                                seed=None if body.seed is None else body.seed % 2**62,
+                                repeat_last_n=64)  # any int is a seed; torch takes 64 bits
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             choices = Choices(scheduler, runtime.tokenizer, ids, n=body.n,
