@@ -30,6 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 END_OF_TEXT = "<|endoftext|>"
 VOCAB_SIZE = 4096
 HELD_OUT_EVERY = 20  # every 20th file: 5 % of the corpus
+BALANCE_COEF = 0.05  # weight of the per-layer load-balancing loss
 
 
 def corpus_files() -> list[Path]:
@@ -65,8 +66,11 @@ def encode(tokenizer: Tokenizer, texts: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def build_model(dense: bool, eot: int):
+def build_model(dense: bool, eot: int, resume: Path | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    if resume is not None:  # continue a finished run (its optimizer state is not kept)
+        return (LlamaForCausalLM if dense else MixtralForCausalLM).from_pretrained(resume)
 
     common = dict(vocab_size=VOCAB_SIZE, hidden_size=256, num_hidden_layers=6,
                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
@@ -77,6 +81,22 @@ def build_model(dense: bool, eot: int):
     config = MixtralConfig(intermediate_size=256, num_local_experts=16, num_experts_per_tok=2,
                            output_router_logits=True, router_aux_loss_coef=0.02, **common)
     return MixtralForCausalLM(config)
+
+
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
+    """Switch-Transformer load balancing computed per layer, then averaged.
+
+    transformers' Mixtral loss pools the counts of all layers, which lets single layers starve
+    experts (we saw layers where some experts got no held-out tokens at all).
+    Legend: N tokens, E experts.
+    """
+    losses = []
+    for logits in router_logits:  # [N, E] each
+        probs = logits.float().softmax(dim=-1)  # [N, E]
+        chosen = torch.zeros_like(probs).scatter_(1, probs.topk(k, dim=-1).indices, 1.0)  # [N, E]
+        n_experts = probs.shape[-1]
+        losses.append(n_experts * (chosen.mean(0) / k * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
 
 
 def batches(ids: np.ndarray, seq_len: int, batch: int, rng: np.random.Generator):
@@ -117,6 +137,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", type=Path, help="a previous run's hf/ folder to continue")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -126,7 +147,7 @@ def main() -> None:
     tokenizer = train_tokenizer(train_texts)
     train_ids, held_ids = encode(tokenizer, train_texts), encode(tokenizer, held_texts)
     eot = tokenizer.token_to_id(END_OF_TEXT)
-    model = build_model(args.dense, eot)
+    model = build_model(args.dense, eot, args.resume)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                                   betas=(0.9, 0.95))
@@ -159,13 +180,16 @@ def main() -> None:
         for group in optimizer.param_groups:
             group["lr"] = args.lr * scale
         out = model(input_ids=window, labels=window)  # the model shifts labels itself
+        loss = out.loss  # for the MoE this includes transformers' pooled load-balancing term
+        if not args.dense:
+            loss = loss + BALANCE_COEF * per_layer_balance_loss(out.router_logits, 2)
         optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()  # includes the router's load-balancing term for the MoE
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
         if step % 20 == 0:
-            log.write(json.dumps(dict(step=step, minutes=elapsed / 60, loss=out.loss.item())) + "\n")
+            log.write(json.dumps(dict(step=step, minutes=elapsed / 60, loss=loss.item())) + "\n")
     log.close()
 
     from transformers import PreTrainedTokenizerFast
