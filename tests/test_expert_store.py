@@ -246,3 +246,28 @@ def test_anonymous_memory_grows_by_the_budget_not_by_the_experts(tmp_path):
     assert r["rss_anon_growth"] <= 1.10 * r["host_budget"]
     assert r["rss_anon_growth"] < 0.5 * r["routed_bytes"]  # the experts did not pile up
     assert r["disk_mib"] > 0
+
+
+def test_profile_policies_run_exactly_and_pin_by_model_layer(tmp_path):
+    from moeswap.experts.policies import ReuseTable
+    from moeswap.routing.profile import Profile
+
+    folder = tmp_path / "m"
+    tiny_models.save("deepseek2", folder / "hf")  # layer 0 is dense: traced layer i is block i+1
+    path = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+    _, _, layers, n_experts = plan(path)
+    assert layers == [1, 2]
+    table = ReuseTable(age_edges=(1, 4, 1 << 30), window=4,
+                       expected_gap=tuple(tuple(float(10 * a + 5 - f) for f in range(5))
+                                          for a in range(3)))
+    profile = Profile("tiny", "deepseek2", layers, n_experts, 3, 2, [(1, 5), (0, 2)],
+                      [[1] * n_experts] * 2, table, "test")
+    profile.save(tmp_path / "profile.json")
+    expected = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
+    for policy in ("pinned", "learned"):
+        model, factory = store_model(path, 3, policy=f"{policy}:{tmp_path / 'profile.json'}")
+        if policy == "pinned":  # loaded before the first token, under model block indices
+            assert {(2, 5), (1, 2)} <= set(factory.store.slots["host"])
+        assert torch.equal(decode_logits(model), expected), policy
+        if policy == "pinned":
+            assert {(2, 5), (1, 2)} <= set(factory.store.slots["host"])
