@@ -1,0 +1,196 @@
+"""moeswap's own plan: what each tier holds under the user's budgets, and the speed that gives.
+
+The accounting is the expert store's (docs/OFFLOAD.md): the host budget carries the shared
+weights, the KV cache the store charges (its float32 upper bound) and a staging ring of top-k
+slots; what is left, and the whole device budget, are expert slots of ``slot_bytes``; every
+other expert stays in the file. Decode is bandwidth-bound (DESIGN.md §4), so a step costs the
+bytes it reads from each tier over that tier's rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeswap.errors import MoeswapError
+from moeswap.experts.cost import TOKENS_PER_READ
+from moeswap.planner.rates import PlanRates
+from moeswap.planner.sizes import ModelSizes
+from moeswap.routing.profile import Profile
+
+PREFILL_PIECE = 32  # tokens per kernel call (moeswap.quant.kernels.MAX_TOKENS_PER_CALL)
+Q4_K_M_BITS = 4.85  # bits per weight of a typical Q4_K_M file, for the "lower-bit quant" advice
+NO_PROFILE_HIT = ("no profile: uniform routing assumed, so the hit rate is the resident share "
+                  "of all experts (give --profile for the model's real skew)")
+
+
+@dataclass(frozen=True)
+class Budget:
+    device_bytes: int
+    host_bytes: int
+    context: int  # positions per sequence
+    batch: int = 1  # sequences decoded together
+
+
+@dataclass(frozen=True)
+class HitRates:
+    device: float  # share of expert requests served by the device tier
+    host: float
+    source: str
+
+    @property
+    def total(self) -> float:
+        return self.device + self.host
+
+
+@dataclass(frozen=True)
+class Plan:
+    sizes: ModelSizes
+    budget: Budget
+    rates: PlanRates
+    kv_bytes: int  # the cache as the store charges it (float32, every position)
+    staging_bytes: int
+    device_slots: int
+    host_slots: int
+    resident_by_layer: dict[int, int]  # experts kept in a tier, per MoE layer
+    hits: HitRates
+    decode_tokens_per_second: float
+    prefill_tokens_per_second: float
+
+    @property
+    def host_charged(self) -> int:
+        return self.sizes.shared_bytes + self.kv_bytes + self.staging_bytes
+
+    @property
+    def all_experts(self) -> int:
+        return self.sizes.n_expert * len(self.sizes.moe_layers)
+
+    @property
+    def resident_experts(self) -> int:
+        return sum(self.resident_by_layer.values())
+
+    @property
+    def disk_expert_bytes(self) -> int:
+        return sum((self.sizes.n_expert - self.resident_by_layer[layer]) * size
+                   for layer, size in self.sizes.expert_bytes_by_layer.items())
+
+
+def check_fits(sizes: ModelSizes, budget: Budget) -> None:
+    """Refuse a host budget below what the store charges, saying by how much and what to change."""
+    kv = sizes.store_kv_bytes(budget.context, budget.batch)
+    staging = max(sizes.top_k, 1) * sizes.slot_bytes
+    need = sizes.shared_bytes + kv + staging
+    if budget.host_bytes >= need:
+        return
+    short = need - budget.host_bytes
+    per_position = sizes.store_kv_bytes(1, budget.batch)
+    room = budget.host_bytes - sizes.shared_bytes - staging
+    fixes = [f"--host-mem {gib(need)} or more"]
+    if room >= per_position:
+        fixes.append(f"a shorter context: --ctx {room // per_position} fits")
+    if budget.batch > 1:
+        fixes.append("a smaller --batch")
+    bits = sizes.shared_bits_per_weight
+    if bits > Q4_K_M_BITS + 0.5:
+        smaller = int(sizes.shared_bytes * Q4_K_M_BITS / bits)
+        fixes.append(f"a lower-bit quant: the shared weights are {bits:.1f} bits per weight; "
+                     f"in Q4_K_M they would be about {gib(smaller)}")
+    raise MoeswapError(
+        f"{sizes.path}: does not fit: --host-mem {gib(budget.host_bytes)} is {gib(short)} short "
+        f"of the shared weights ({gib(sizes.shared_bytes)}) + the KV cache for "
+        f"{budget.batch} x {budget.context} positions ({gib(kv)}) + {max(sizes.top_k, 1)} "
+        f"staging slots ({gib(staging)}), which stay in RAM; routed experts can all be left on "
+        f"disk already. Change: " + "; or ".join(fixes))
+
+
+def expected_hits(sizes: ModelSizes, device_slots: int, host_slots: int,
+                  profile: Profile | None) -> tuple[HitRates, dict[int, int]]:
+    """Hit rates and experts resident per layer. With a profile the slots hold the experts the
+    profile's trace used most (what ``--policy pinned:PROFILE`` keeps); without one, uniform."""
+    layers, n_expert = sizes.moe_layers, sizes.n_expert
+    slots = min(device_slots + host_slots, n_expert * len(layers))
+    if profile is None:
+        per_layer = {layer: slots // len(layers) + (i < slots % len(layers))
+                     for i, layer in enumerate(layers)}
+        device = min(device_slots, slots) / (n_expert * len(layers))
+        return HitRates(device, slots / (n_expert * len(layers)) - device, NO_PROFILE_HIT), per_layer
+    check_profile(sizes, profile)
+    counts = np.asarray(profile.counts, dtype=np.int64)  # [L traced, E]
+    order = sorted(((-int(counts[i, e]), profile.layers[i], e)
+                    for i in range(len(profile.layers)) for e in range(n_expert)))
+    chosen = order[:slots]
+    total = max(int(counts.sum()), 1)
+    device = -sum(c for c, _, _ in chosen[:device_slots]) / total
+    host = -sum(c for c, _, _ in chosen[device_slots:]) / total
+    per_layer = {layer: 0 for layer in layers}
+    for _, layer, _ in chosen:
+        per_layer[layer] += 1
+    return HitRates(device, host, f"profile {profile.source or profile.model}: the slots "
+                                  "hold its most used experts"), per_layer
+
+
+def check_profile(sizes: ModelSizes, profile: Profile) -> None:
+    if profile.n_experts != sizes.n_expert or not set(profile.layers) <= set(sizes.moe_layers):
+        raise MoeswapError(
+            f"the profile is of a model with {profile.n_experts} experts in layers "
+            f"{profile.layers}, not {sizes.path} ({sizes.n_expert} experts in layers "
+            f"{sizes.moe_layers}); profile a trace of this model")
+    if set(profile.layers) != set(sizes.moe_layers):
+        raise MoeswapError(f"the profile covers layers {profile.layers} but {sizes.path} routes in "
+                           f"{sizes.moe_layers}; record the trace over every MoE layer")
+
+
+def step_seconds(sizes: ModelSizes, hits: HitRates, rates, n_tokens: int, context: int,
+                 sequences: int) -> float:
+    """Seconds of one forward step over ``n_tokens`` tokens with ``sequences`` caches of
+    ``context`` positions: every read's bytes over its tier's rate.
+
+    A product reads its weights once per TOKENS_PER_READ tokens (experts/cost.py). Of a
+    layer's E experts, T tokens picking k each use E(1 - (1 - k/E)^T) distinct ones; a miss is
+    read from the file and computed where it lies (the cost model's choice on a CPU)."""
+    reads = math.ceil(n_tokens / TOKENS_PER_READ)
+    seconds = sizes.active_shared_bytes * reads / rates.host_compute
+    n, k = sizes.n_expert, sizes.top_k
+    if n and k:
+        distinct = n * (1 - (1 - k / n) ** n_tokens)
+        expert_reads = math.ceil(n_tokens * k / distinct / TOKENS_PER_READ)
+        miss = max(1.0 - hits.total, 0.0)
+        for size in sizes.expert_bytes_by_layer.values():
+            compute = (hits.device / rates.device_compute
+                       + (hits.host + miss) / rates.host_compute) * expert_reads
+            seconds += distinct * size * (compute + miss / rates.disk_read)
+    seconds += sizes.kv_bytes(context, 4, sequences) / rates.host_compute  # attention reads the cache
+    return seconds
+
+
+def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
+              profile: Profile | None = None) -> Plan:
+    if budget.context < 1 or budget.batch < 1:
+        raise MoeswapError(f"--ctx and --batch must be at least 1 (got {budget.context}, "
+                           f"{budget.batch})")
+    if not sizes.moe_layers:
+        raise MoeswapError(f"{sizes.path}: no routed experts; the planner is for MoE models")
+    check_fits(sizes, budget)
+    kv = sizes.store_kv_bytes(budget.context, budget.batch)
+    staging = max(sizes.top_k, 1) * sizes.slot_bytes
+    charged = sizes.shared_bytes + kv + staging
+    all_experts = sizes.n_expert * len(sizes.moe_layers)
+    device_slots = min(budget.device_bytes // sizes.slot_bytes, all_experts)
+    host_slots = min((budget.host_bytes - charged) // sizes.slot_bytes, all_experts - device_slots)
+    hits, per_layer = expected_hits(sizes, device_slots, host_slots, profile)
+    r = rates.rates
+    decode = budget.batch / step_seconds(sizes, hits, r, budget.batch, budget.context, budget.batch)
+    piece = min(PREFILL_PIECE, budget.context)
+    prefill = piece / step_seconds(sizes, hits, r, piece, 0, 1)
+    return Plan(sizes, budget, rates, kv, staging, device_slots, host_slots, per_layer, hits,
+                decode, prefill)
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes for people: GiB above one, else MiB, else KiB."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n_bytes) >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{int(n_bytes)} B"
