@@ -21,6 +21,6 @@ def parse_size(text: str) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
-    """float32 keys and values of every layer for one position (an upper bound where layers
-    share a cache or cache a compressed latent)."""
-    return 2 * config.n_layer * config.n_head_kv * config.head_dim * 4
+    """Bytes the KV cache holds per position: float32 keys and values of every layer (one
+    latent for MLA; per layer type for Gemma 4)."""
+    return 4 * config.kv_floats_per_token
