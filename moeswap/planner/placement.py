@@ -22,6 +22,11 @@ from moeswap.routing.profile import Profile
 
 PREFILL_PIECE = 32  # tokens per kernel call (moeswap.quant.kernels.MAX_TOKENS_PER_CALL)
 Q4_K_M_BITS = 4.85  # bits per weight of a typical Q4_K_M file, for the "lower-bit quant" advice
+# Fixed costs the bandwidth terms miss, measured with `moeswap run --threads 1` on the project's
+# 2-core machine (docs/PLANNER.md): the torch work of one block per step (attention, norms,
+# router, dispatch), and one expert product issued by the store (two per picked expert).
+LAYER_STEP_SECONDS = 0.39e-3
+EXPERT_CALL_SECONDS = 38e-6
 NO_PROFILE_HIT = ("no profile: uniform routing assumed, so the hit rate is the resident share "
                   "of all experts (give --profile for the model's real skew)")
 
@@ -149,9 +154,11 @@ def step_seconds(sizes: ModelSizes, hits: HitRates, rates, n_tokens: int, contex
 
     A product reads its weights once per TOKENS_PER_READ tokens (experts/cost.py). Of a
     layer's E experts, T tokens picking k each use E(1 - (1 - k/E)^T) distinct ones; a miss is
-    read from the file and computed where it lies (the cost model's choice on a CPU)."""
+    read from the file and computed where it lies (the cost model's choice on a CPU). Fixed
+    per-block and per-product costs are added: on a small model they dominate."""
     reads = math.ceil(n_tokens / TOKENS_PER_READ)
     seconds = sizes.active_shared_bytes * reads / rates.host_compute
+    seconds += sizes.config.n_layer * LAYER_STEP_SECONDS
     n, k = sizes.n_expert, sizes.top_k
     if n and k:
         distinct = n * (1 - (1 - k / n) ** n_tokens)
@@ -160,7 +167,8 @@ def step_seconds(sizes: ModelSizes, hits: HitRates, rates, n_tokens: int, contex
         for size in sizes.expert_bytes_by_layer.values():
             compute = (hits.device / rates.device_compute
                        + (hits.host + miss) / rates.host_compute) * expert_reads
-            seconds += distinct * size * (compute + miss / rates.disk_read)
+            seconds += distinct * (size * (compute + miss / rates.disk_read)
+                                   + 2 * EXPERT_CALL_SECONDS)
     seconds += sizes.kv_bytes(context, 4, sequences) / rates.host_compute  # attention reads the cache
     return seconds
 
