@@ -132,6 +132,12 @@ def test_placement_slots_and_uniform_hit_rate(mixtral_file):
     assert plan.host_charged == 118016 + 512 * 64 + 2 * 24576
 
 
+def test_fewer_slots_than_a_tokens_requests_thrash(mixtral_file):
+    s = sizes_of(mixtral_file)  # top-2 of 2 layers: 4 requests per token
+    plan = make_plan(s, Budget(0, _need(s, 64) + 3 * s.slot_bytes, 64), RATES)
+    assert plan.host_slots == 3 and plan.hits.total == 0.0 and "no hits" in plan.hits.source
+
+
 def test_profile_hit_rate_is_its_top_experts_share(mixtral_file):
     s = sizes_of(mixtral_file)
     profile = _profile(counts=[[50, 30, 15, 5], [70, 10, 10, 10]])

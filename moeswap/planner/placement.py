@@ -27,6 +27,8 @@ Q4_K_M_BITS = 4.85  # bits per weight of a typical Q4_K_M file, for the "lower-b
 # router, dispatch), and one expert product issued by the store (two per picked expert).
 LAYER_STEP_SECONDS = 0.39e-3
 EXPERT_CALL_SECONDS = 38e-6
+THRASH = ("no hits: fewer expert slots than one token's k x MoE-layer requests, which an LRU "
+          "cycles through (pin a profile's hot set with --profile to do better)")
 NO_PROFILE_HIT = ("no profile: uniform routing assumed, so the hit rate is the resident share "
                   "of all experts (give --profile for the model's real skew)")
 
@@ -119,6 +121,10 @@ def expected_hits(sizes: ModelSizes, device_slots: int, host_slots: int,
     if profile is None:
         per_layer = {layer: slots // len(layers) + (i < slots % len(layers))
                      for i, layer in enumerate(layers)}
+        if slots < sizes.top_k * len(layers):
+            # One token asks k experts of every layer in turn: an LRU over fewer slots than
+            # that evicts each expert before the next token asks again.
+            return HitRates(0.0, 0.0, THRASH), per_layer
         device = min(device_slots, slots) / (n_expert * len(layers))
         return HitRates(device, slots / (n_expert * len(layers)) - device, NO_PROFILE_HIT), per_layer
     check_profile(sizes, profile)
