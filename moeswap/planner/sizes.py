@@ -73,8 +73,8 @@ class ModelSizes:
         return sequences * value_bytes * (full * context + swa * window)
 
     def store_kv_bytes(self, context: int, sequences: int = 1) -> int:
-        """What moeswap's expert store charges the host budget for the cache (its float32
-        upper bound: every layer's keys and values at every position)."""
+        """What moeswap's expert store charges the host budget for the cache: float32 at every
+        position, sliding layers included (moeswap's runtime keeps them all)."""
         return sequences * kv_bytes_per_token(self.config) * context
 
 
