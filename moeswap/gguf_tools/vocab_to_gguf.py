@@ -4,8 +4,9 @@ convert_hf_to_gguf.py does for these families' usual tokenizers:
 - ``tokenizer.model`` (SentencePiece: Mixtral, Gemma 3) -> model "llama", pieces, scores, types;
 - otherwise ``tokenizer.json`` with a BPE model (Qwen, OLMoE, Granite) -> model "gpt2", tokens,
   types and merges. llama.cpp picks the BPE pre-tokenizer by hashing how the tokenizer splits a
-  probe text; moeswap instead names the pre-tokenizer of the family's published tokenizer
-  (``BPE_PRE_TOKENIZERS``), so a custom BPE tokenizer in such a folder gets that family's name.
+  probe text; moeswap recognises GPT-2's own byte-level split from tokenizer.json's
+  structure (``gpt-2``, e.g. the built-in model's tokenizer) and otherwise names the
+  pre-tokenizer of the family's published tokenizer (``BPE_PRE_TOKENIZERS``).
 
 Special tokens, add_bos/add_eos and the chat template come from gguf-py's ``SpecialVocab``,
 the same code the reference converter calls.
@@ -24,6 +25,13 @@ from moeswap.formats.config import ModelConfig
 # The pre-tokenizer llama.cpp detects for each family's published BPE tokenizer.
 BPE_PRE_TOKENIZERS = {"qwen2moe": "qwen2", "qwen3moe": "qwen2", "olmoe": "olmo",
                       "granitemoe": "refact", "llama": "llama-bpe", "gemma3": "default"}
+
+
+def _bpe_pre_tokenizer(spec: dict, config: ModelConfig) -> str:
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"  # byte-level BPE split by GPT-2's regex alone
+    return BPE_PRE_TOKENIZERS[config.arch]
 
 
 def write_vocab(writer: gguf.GGUFWriter, folder: Path, config: ModelConfig) -> int:
@@ -111,7 +119,7 @@ def _bpe(writer: gguf.GGUFWriter, folder: Path, config: ModelConfig) -> int:
             tokens.append(text)
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(BPE_PRE_TOKENIZERS[config.arch])
+    writer.add_tokenizer_pre(_bpe_pre_tokenizer(spec, config))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     gguf.SpecialVocab(folder, load_merges=True).add_to_gguf(writer)
