@@ -5,7 +5,6 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-from moeswap.gguf_tools.convert import OUT_TYPES, convert
 
 
 def register(subparsers) -> None:
@@ -13,12 +12,15 @@ def register(subparsers) -> None:
                                               "(llama.cpp's names, layout and metadata)")
     p.add_argument("folder", help="HF model folder (config.json, *.safetensors, tokenizer)")
     p.add_argument("-o", "--output", required=True, help="path of the .gguf file to write")
-    p.add_argument("--type", default="f16", choices=list(OUT_TYPES),
-                   help="type of the weight matrices (norms and routers stay f32); default f16")
+    p.add_argument("--type", default="f16",
+                   help="type of the weight matrices: f32, f16, q8_0 or q4_0 (norms and routers "
+                        "stay f32); default f16")
     p.set_defaults(handler=run_convert)
 
 
 def run_convert(args) -> int:
+    from moeswap.gguf_tools.convert import convert  # loads torch: only when converting
+
     bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=True)
     with bar:

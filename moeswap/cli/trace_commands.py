@@ -8,7 +8,9 @@ from rich.console import Console
 from rich.progress import Progress, track
 
 from moeswap.errors import MoeswapError
-from moeswap.routing import capture, importers, plots, policy_specs, profile, simulate, stats
+# capture (the engine, torch) and plots (matplotlib) load inside the commands that use them,
+# so that `moeswap --help` and the trace tools start fast.
+from moeswap.routing import importers, policy_specs, profile, simulate, stats
 from moeswap.routing.traces import RoutingTrace
 
 
@@ -73,6 +75,8 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def run_trace(args) -> int:
+    from moeswap.routing import capture
+
     if args.prompts:
         prompts = capture.read_prompts(args.prompts)
     else:
@@ -89,6 +93,8 @@ def run_trace(args) -> int:
 
 
 def run_stats(args) -> int:
+    from moeswap.routing import plots
+
     trace = RoutingTrace.load(args.trace)
     result = stats.trace_stats(trace)
     if args.json:
