@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 from gguf import GGUFValueType as T
 
 import moeswap
@@ -29,9 +30,18 @@ def tiny_path(tmp_path_factory):
     return spec.write(tmp_path_factory.mktemp("chat") / "tiny.gguf")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One kernel thread (ggml's spinning threads crawl on a busy machine); torch's thread
+    count is process-wide, so it is restored."""
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def runtime(tiny_path):
-    return moeswap.load(tiny_path, tokenizer_cache_dir=tiny_path.parent / "cache")
+    return moeswap.load(tiny_path, threads=1, tokenizer_cache_dir=tiny_path.parent / "cache")
 
 
 def reply(runtime, messages, ctx=4096, policy="error"):
@@ -48,7 +58,7 @@ def reply(runtime, messages, ctx=4096, policy="error"):
 
 def chat(tiny_path, monkeypatch, capsys, script: str, *flags: str) -> tuple[int, str, str]:
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
-    code = main(["chat", str(tiny_path), "--temp", "0", "-n", str(N), *flags])
+    code = main(["chat", str(tiny_path), "--temp", "0", "-n", str(N), "--threads", "1", *flags])
     out, err = capsys.readouterr()
     return code, out, err
 

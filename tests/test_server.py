@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -42,9 +43,22 @@ def tiny_path(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("server"), TEMPLATE)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One kernel thread: ggml's threads wait on each other by spinning, which on a busy
+    machine turns millisecond steps into seconds. torch's count is process-wide: restored."""
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+def load(path, **options):
+    return moeswap.load(path, threads=1, tokenizer_cache_dir=path.parent / "cache", **options)
+
+
 @pytest.fixture(scope="module")
 def runtime(tiny_path):
-    return moeswap.load(tiny_path, tokenizer_cache_dir=tiny_path.parent / "cache")
+    return load(tiny_path)
 
 
 class GatedModel:
@@ -73,6 +87,15 @@ class GatedRuntime:
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
+
+
+def wait_until(condition, seconds: float = 60.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def serve(runtime, **options):
@@ -162,10 +185,8 @@ def test_concurrent_requests_are_decoded_together_and_equal_solo_runs(runtime):
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
         for t in threads:
             t.start()
-        for _ in range(500):  # until the first request is in its (gated) step, the rest queued
-            if scheduler.active_count + scheduler.queue_depth == len(prompts):
-                break
-            threading.Event().wait(0.01)
+        # the first request is in its (gated) step, the rest queued
+        assert wait_until(lambda: scheduler.active_count + scheduler.queue_depth == len(prompts))
         gated.model.gate.set()
         for t in threads:
             t.join()
@@ -193,8 +214,7 @@ def test_batched_requests_share_expert_loads(tiny_path, tmp_path):
 
     def run(together: bool):
         factory = ExpertStore.factory(StoreOptions(host_bytes=host, context_tokens=ctx * n))
-        store_runtime = moeswap.load(tiny_path, expert_runner=factory,
-                                     tokenizer_cache_dir=tiny_path.parent / "cache")
+        store_runtime = load(tiny_path, expert_runner=factory)
         prompts = [store_runtime.encode(p) for p in ("ab", "cdcd", "efg", "hhh")]
         outputs = {}
         scheduler = BatchScheduler(store_runtime.model, BatchOptions(max_batch=n, ctx=ctx))
@@ -303,10 +323,8 @@ def test_full_queue_answers_429(runtime):
         threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:
             t.start()
-        for _ in range(500):  # one request in the (gated) batch, one waiting
-            if scheduler.active_count == 1 and scheduler.queue_depth == 1:
-                break
-            threading.Event().wait(0.01)
+        # one request in the (gated) batch, one waiting
+        assert wait_until(lambda: scheduler.active_count == 1 and scheduler.queue_depth == 1)
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
         gated.model.gate.set()
@@ -364,11 +382,8 @@ def test_leaving_a_stream_early_cancels_its_requests(runtime):
     try:
         requests = asyncio.run(first_piece_then_leave())
         assert all(r.cancelled for r in requests)
-        for _ in range(500):
-            if scheduler.active_count == 0:
-                break
-            threading.Event().wait(0.01)
-        assert scheduler.active_count == 0 and all(r.generated < 50 for r in requests)
+        assert wait_until(lambda: scheduler.active_count == 0)
+        assert all(r.generated < 50 for r in requests)
     finally:
         scheduler.stop()
 
@@ -424,7 +439,7 @@ def test_n_choices_with_seeds(runtime):
 
 
 def test_template_injection_is_stopped_by_the_sandbox(tmp_path):
-    evil = moeswap.load(write_model(tmp_path, INJECTION), tokenizer_cache_dir=tmp_path / "cache")
+    evil = load(write_model(tmp_path, INJECTION))
     with serve(evil) as client:
         r = client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "a"}]})
@@ -434,8 +449,7 @@ def test_template_injection_is_stopped_by_the_sandbox(tmp_path):
 
 def test_metrics_show_server_and_expert_store_series(tiny_path):
     factory = ExpertStore.factory(StoreOptions(host_bytes=2**30, context_tokens=64 * 8))
-    store_runtime = moeswap.load(tiny_path, expert_runner=factory,
-                                 tokenizer_cache_dir=tiny_path.parent / "cache")
+    store_runtime = load(tiny_path, expert_runner=factory)
     with serve(store_runtime) as client:
         client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 3,
                                              "temperature": 0})

@@ -12,16 +12,16 @@ import httpx
 import pytest
 import uvicorn
 
-import moeswap
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from test_server import MODEL, TEMPLATE, GatedRuntime, solo_text, write_model
+from test_server import (MODEL, TEMPLATE, GatedRuntime, load, one_thread,  # noqa: F401 (fixture)
+                         solo_text, wait_until, write_model)
 
 
 @pytest.fixture(scope="module")
 def runtime(tmp_path_factory):
     path = write_model(tmp_path_factory.mktemp("live"), TEMPLATE)
-    return moeswap.load(path, tokenizer_cache_dir=path.parent / "cache")
+    return load(path)
 
 
 @contextmanager
@@ -92,10 +92,7 @@ def test_a_client_that_hangs_up_cancels_its_request(runtime, stream):
         except httpx.ReadTimeout:
             assert not stream  # the whole reply was not waited for
         counters = app.state.scheduler.counters
-        for _ in range(300):
-            if counters.requests_finished:
-                break
-            time.sleep(0.01)
+        assert wait_until(lambda: counters.requests_finished)
         assert counters.requests_finished == {"cancelled": 1}
         assert counters.generated_tokens < 60
         assert app.state.scheduler.active_count == 0
