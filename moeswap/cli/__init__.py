@@ -17,7 +17,9 @@ COMMAND_MODULES = ("gguf_commands", "trace_commands", "run_commands", "convert_c
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
-    parser = argparse.ArgumentParser(prog="moeswap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="moeswap", description="Run Mixture-of-Experts models whose experts do not all fit in "
+                                    "fast memory, and the tools around them.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"moeswap.cli.{name}").register(subparsers)
