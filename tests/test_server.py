@@ -260,6 +260,9 @@ def test_api_key_is_required_except_for_health(runtime):
 
 BAD_INPUTS = [
     ("malformed JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("NaN and Infinity (Python's JSON reads them)", "/v1/completions",
+     b'{"model": "tiny", "prompt": "a", "temperature": Infinity, "repeat_penalty": NaN}', 400,
+     "invalid_value"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model_not_found"),
     ("prompt of the wrong type", "/v1/completions", {"model": MODEL, "prompt": 5}, 400, "invalid_value"),
     ("max_tokens as a string", "/v1/completions",
@@ -321,10 +324,10 @@ def test_full_queue_answers_429(runtime):
                 "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code)
 
         threads = [threading.Thread(target=ask) for _ in range(2)]
-        for t in threads:
-            t.start()
-        # one request in the (gated) batch, one waiting
-        assert wait_until(lambda: scheduler.active_count == 1 and scheduler.queue_depth == 1)
+        threads[0].start()  # the batch's one slot: its step waits at the gate
+        assert wait_until(lambda: scheduler.active_count == 1)
+        threads[1].start()  # the queue's one place
+        assert wait_until(lambda: scheduler.queue_depth == 1)
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
         gated.model.gate.set()
@@ -480,7 +483,7 @@ class CountingModel:
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) |
-                    st.floats(allow_nan=False) | st.text(max_size=8),
+                    st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
                     max_leaves=6)
 MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
@@ -507,6 +510,24 @@ def test_random_bodies_never_get_a_5xx(fast_client, path, body, junk):
     assert r.status_code < 500, (body, junk, r.text)
     if r.status_code >= 400:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+class NaNModel(CountingModel):
+    def forward(self, tokens, caches):
+        return [torch.full_like(rows, float("nan")) for rows in super().forward(tokens, caches)]
+
+
+def test_a_failing_step_ends_its_request_and_the_server_goes_on(runtime):
+    broken = GatedRuntime(runtime)
+    broken.model = NaNModel(runtime.tokenizer.vocab_size)  # sampling from NaN raises
+    with serve(broken) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "temperature": 1})
+        assert r.status_code == 500 and "sampling failed" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": "ab", "temperature": 1, "stream": True}) as s:
+            assert sse_events(s)[-1]["error"]["type"] == "server_error"
+        assert client.get("/health").json()["status"] == "ok"
+        assert client.app.state.scheduler.counters.requests_finished == {"error": 2}
 
 
 @pytest.fixture(scope="module")

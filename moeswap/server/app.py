@@ -30,7 +30,7 @@ from moeswap.sampling import SamplingParams
 from moeswap.server.batching import BatchOptions, BatchScheduler, NotRunning, QueueFull
 from moeswap.server.choices import Choices, GenerationFailed, Piece
 from moeswap.server.metrics import HttpCounts, render_metrics
-from moeswap.server.schemas import ChatBody, CompletionBody, SamplingBody
+from moeswap.server.schemas import MIN_TEMPERATURE, ChatBody, CompletionBody, SamplingBody
 
 
 ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -155,7 +155,8 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
                            code="context_length_exceeded") from None
         if not ids:
             raise ApiError(400, "prompt: empty; give at least one token", param="prompt")
-        params = SamplingParams(temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+        temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+        params = SamplingParams(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
                                 min_p=body.min_p, repeat_penalty=body.repeat_penalty,
                                 seed=None if body.seed is None else body.seed % 2**62,
                                 repeat_last_n=64)  # any int is a seed; torch takes 64 bits

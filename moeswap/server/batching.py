@@ -184,7 +184,11 @@ class BatchScheduler:
                     request.cache = self.model.new_cache()
                     self._active.append(request)
                     self.counters.requests_admitted += 1
-            self._step()
+            try:
+                self._step()
+            except Exception as e:  # the loop must outlive any one step
+                for request in list(self._active):
+                    self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
 
     def _step(self) -> None:
         for request in [r for r in self._active if r.cancelled]:
@@ -207,7 +211,11 @@ class BatchScheduler:
             if request.fed == 0:
                 self.counters.prompt_tokens += len(request.ids)
             request.fed = len(request.ids)
-            token = request.sampler.next_token(rows[-1], request.ids)
+            try:
+                token = request.sampler.next_token(rows[-1], request.ids)
+            except Exception as e:  # e.g. settings that overflow: ends this request only
+                self._finish(request, None, error=f"sampling failed: {type(e).__name__}: {e}")
+                continue
             if token in request.stop_ids:
                 self._finish(request, "stop")
                 continue

@@ -14,6 +14,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Sampling at a temperature this close to 0 is greedy decoding (its limit); dividing the
+# logits by it would overflow float32 and make every probability NaN.
+MIN_TEMPERATURE = 1e-3
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools",
                "tool_choice", "functions", "function_call", "response_format")
 
@@ -36,11 +39,11 @@ class StreamOptions(BaseModel):
 class SamplingBody(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # under MIN_TEMPERATURE: greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(1.0, gt=0.0)
+    repeat_penalty: float = Field(1.0, ge=0.01, le=100.0)  # beyond: logits overflow
     seed: int | None = None
     n: int = Field(1, ge=1)
     stream: bool = False
