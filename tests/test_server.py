@@ -20,7 +20,7 @@ from moeswap.context_window import ContextOverflow, fit_context
 from moeswap.experts.store import ExpertStore, StoreOptions
 from moeswap.sampling import GREEDY, Sampler
 from moeswap.server.app import ServerOptions, create_app
-from moeswap.server.batching import BatchOptions, BatchScheduler, QueueFull
+from moeswap.server.batching import BatchOptions, BatchScheduler
 from moeswap.server.choices import StopStrings
 
 # Roles become letters the tiny vocabulary has (a..z); the reply starts after "a".

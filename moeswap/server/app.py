@@ -138,7 +138,8 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
         messages = [m.as_template_input() for m in body.messages]
         try:
             ids = runtime.chat_prompt_ids(messages)
-            keep = _system_prefix_length(runtime, messages, ids)
+            keep = _system_prefix_length(runtime, messages, ids) \
+                if options.ctx_policy == "keep-recent" else 0
         except MoeswapError as e:
             raise ApiError(400, str(e), param="messages") from None
         return await _respond(body, ids, keep, request, "chat.completion", "chatcmpl")
@@ -156,10 +157,9 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
         if not ids:
             raise ApiError(400, "prompt: empty; give at least one token", param="prompt")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+        seed = None if body.seed is None else body.seed % 2**62  # any int; torch takes 64 bits
         params = SamplingParams(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
-                                min_p=body.min_p, repeat_penalty=body.repeat_penalty,
-                                seed=None if body.seed is None else body.seed % 2**62,
-                                repeat_last_n=64)  # any int is a seed; torch takes 64 bits
+                                min_p=body.min_p, repeat_penalty=body.repeat_penalty, seed=seed)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             choices = Choices(scheduler, runtime.tokenizer, ids, n=body.n,
