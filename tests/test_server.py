@@ -123,7 +123,12 @@ def test_models_health_and_greedy_completion(runtime):
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "abcab",
                                                  "max_tokens": 6, "temperature": 0})
+        # `curl -d` labels JSON as a form; it is read as JSON all the same
+        as_form = client.post("/v1/completions", content=json.dumps(
+            {"model": MODEL, "prompt": "abcab", "max_tokens": 6, "temperature": 0}),
+            headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200, r.text
+    assert as_form.json()["choices"] == r.json()["choices"]
     body = r.json()
     prompt_ids = runtime.encode("abcab")
     text, used = solo_text(runtime, prompt_ids, 6)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from moeswap.chat_template import ChatTemplateError
@@ -86,16 +86,6 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
     async def on_api_error(request: Request, e: ApiError):
         return _error_response(e)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        if first.get("type") == "json_invalid":
-            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
-        else:
-            message = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
-        return _error_response(ApiError(400, message, param=where or None, code="invalid_value"))
-
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, e: HTTPException):
         return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: "
@@ -120,7 +110,8 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
                                             "created": created, "owned_by": "moeswap"}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
+    async def completions(request: Request):
+        body = await _parse(request, CompletionBody)
         _check_body(body, options)
         try:
             ids = runtime.encode(body.prompt)
@@ -133,7 +124,8 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
         return await _respond(body, ids, keep, request, "text_completion", "cmpl")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request):
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatBody)
         _check_body(body, options)
         messages = [m.as_template_input() for m in body.messages]
         try:
@@ -177,6 +169,24 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
         return await _complete(reply, choices, body.n, request)
 
     return app
+
+
+async def _parse(request: Request, schema: type[SamplingBody]) -> SamplingBody:
+    """The body as JSON whatever its Content-Type says (curl -d sends a form type)."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise _invalid(e.errors()) from None
+
+
+def _invalid(errors: list) -> ApiError:
+    first = errors[0] if errors else {}
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    if first.get("type") == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": ")
+    else:
+        message = f"{where or 'body'}: {first.get('msg', 'invalid value')}"
+    return ApiError(400, message, param=where or None, code="invalid_value")
 
 
 def _check_body(body: SamplingBody, options: ServerOptions) -> None:
