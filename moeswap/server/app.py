@@ -14,6 +14,7 @@ import hmac
 import json
 import time
 import uuid
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -163,8 +164,10 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
         reply = _Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", options.model_name, len(ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(reply.sse(choices, body.n, include_usage),
-                                     media_type="text/event-stream",
+            stream = reply.sse(choices, body.n, include_usage)
+            # a stream that never starts (client gone first) never runs its own cleanup
+            weakref.finalize(stream, choices.cancel)
+            return StreamingResponse(stream, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await _complete(reply, choices, body.n, request)
 
