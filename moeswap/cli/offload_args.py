@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from moeswap.experts.cost import MISS_MODES
+from moeswap.experts.prefetch import PREDICTORS
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,12 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "rescale the rest (counted in the stats; default 0: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
+    g.add_argument("--prefetch", choices=PREDICTORS, default="both",
+                   help="read the next layers' likely experts from disk while a layer computes, "
+                        "guessed by the next router on this layer's input (gate), by routing "
+                        "history (history) or both; turned down where guesses do not pay (both)")
+    g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
+                   help="how many MoE layers ahead to guess (default 2; 0: off)")
 
 
 def store_factory(args, context_tokens: int):
@@ -52,7 +59,8 @@ def store_factory(args, context_tokens: int):
     return ExpertStore.factory(StoreOptions(
         host_bytes=parse_size(args.host_mem), device_bytes=device, context_tokens=context_tokens,
         policy=args.policy, miss=args.miss, threshold=args.expert_threshold,
-        cold_reads=args.cold_reads, rates=rates, device_backend=backend))
+        cold_reads=args.cold_reads, rates=rates, device_backend=backend, prefetch=args.prefetch,
+        prefetch_depth=args.prefetch_depth))
 
 
 def stats_lines(stats: dict) -> list[str]:
@@ -77,4 +85,21 @@ def stats_lines(stats: dict) -> list[str]:
         lines.append(f"  layer {layer}: hit rate {s['hit_rate']:.1%}, "
                      f"disk misses {s['disk_misses']}, transfers {s['transfers']}, "
                      f"stalled {s['stall_seconds']:.3f} s")
+    if "prefetch" in stats:
+        lines += prefetch_lines(stats["prefetch"], t["stall_seconds"])
+    return lines
+
+
+def prefetch_lines(s: dict, stalled: float) -> list[str]:
+    lines = [f"prefetch ({s['mode']}, depth {s['depth']}): {s['reads']} reads, "
+             f"{s['bytes_prefetched'] / 2**20:.1f} MiB read, {s['used']} used, "
+             f"{s['bytes_wasted'] / 2**20:.1f} MiB wasted, {s['cancelled']} stale cancelled; "
+             f"stalled {stalled:.2f} s (waiting on prefetch {s['wait_seconds']:.2f} s), "
+             f"without prefetch about {stalled + s['hidden_seconds']:.2f} s"]
+    for layer, by_depth in s["layers"].items():
+        parts = [f"depth {d}: recall {a['recall']:.0%} precision {a['precision']:.0%}"
+                 f"{'' if a['reads_enabled'] else ' (reads off)'}"
+                 for d, a in by_depth.items() if a["actual"]]
+        if parts:
+            lines.append(f"  prefetch layer {layer}: " + ", ".join(parts))
     return lines

@@ -27,6 +27,7 @@ M picks of one expert.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +38,7 @@ from moeswap.experts import policies as p
 from moeswap.experts.cost import MissPlanner, Rates
 from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.prefetch import Prefetcher, ReadJob, ReadWorker
 from moeswap.experts.stats import LayerStats, total
 from moeswap.experts.tiers import DiskReader, SlotPool, piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
@@ -98,6 +100,8 @@ class StoreOptions:
     # "ram": device slots are RAM computed by the CPU kernels (a CPU-only machine's device form);
     # a torch device ("cuda", or "cpu" to test that path): slots there, products computed there.
     device_backend: str = "ram"
+    prefetch: str = "off"  # --prefetch: off, gate, history or both (moeswap.experts.prefetch)
+    prefetch_depth: int = 2  # --prefetch-depth: how many MoE layers ahead to guess
 
 
 # Rates used when none are measured: a CPU-only machine, where computing in place always wins.
@@ -122,7 +126,9 @@ class _Slot:
 
 class ExpertStore:
     def __init__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int], activation: str,
-                 options: StoreOptions):
+                 options: StoreOptions, routers: dict | None = None):
+        """routers: MoE layer -> its Router (moeswap.models.moe), which the gate prefetch
+        predictor applies ahead of time; needed for ``prefetch`` gate and both."""
         self.kernels, self.activation, self.options = kernels, activation, options
         self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
         self.slot_size = slot_bytes(list(self.layouts.values()))
@@ -153,6 +159,18 @@ class ExpertStore:
         self.planner = MissPlanner(options.miss, options.rates or CPU_ONLY_RATES)
         self.layer_stats = {i: LayerStats() for i in layers}
         self._bound: dict[tuple[str, int, int], _Slot] = {}
+        self.prefetch: Prefetcher | None = None
+        self._reads: dict[tuple[int, int], ReadJob] = {}  # prefetch reads into host slots
+        self._unread: set[tuple[int, int]] = set()  # host-resident, read cancelled: no bytes
+        self._unused: dict[tuple[int, int], float] = {}  # prefetched, not asked for yet: the
+        # seconds of its read that nobody waited for
+        if options.prefetch != "off" and options.prefetch_depth > 0 and host_slots:
+            self.prefetch = Prefetcher(options.prefetch, options.prefetch_depth, layers,
+                                       routers or {}, self.layouts[layers[0]].n_experts,
+                                       config.n_expert_used)
+            self.worker = ReadWorker(gguf.path, options.cold_reads)
+            # the thread holds no reference to the store, so a dropped store stops it
+            self._stop_worker = weakref.finalize(self, self.worker.close)
         for tier, policy in self.policies.items():
             for key in sorted(policy.resident()):  # pre-filled policies (a pinned hot set)
                 staged = self._read_from_disk(key, self.layer_stats[key[0]])
@@ -178,6 +196,8 @@ class ExpertStore:
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
+        if self.prefetch is not None:
+            self._prefetch_ahead(layer, x, expert_ids)
         out = torch.empty_like(x)
         for start, end in token_pieces(x.shape[0]):
             out[start:end] = self._piece(layer, x[start:end], expert_ids[start:end],
@@ -256,7 +276,10 @@ class ExpertStore:
         host = self.policies["host"]
         if key in host:
             host.access(key)
-            stats.host_hits += 1
+            if self._bytes_in_slot(key, stats):
+                stats.host_hits += 1
+            else:
+                stats.disk_misses += 1
             source = ("host", self.slots["host"][key])
         else:
             stats.disk_misses += 1
@@ -316,6 +339,8 @@ class ExpertStore:
     def _evict(self, tier: str, key, stats: LayerStats) -> None:
         if key is None:
             return
+        if tier == "host" and self.prefetch is not None:
+            self._forget_prefetch(key, stats)
         self.pools[tier].release(self.slots[tier].pop(key))
         if tier == "device":
             stats.device_evictions += 1
@@ -339,6 +364,116 @@ class ExpertStore:
             self._bound[key] = _Slot(self.kernels, layout, self._slot_array(pool, index))
         return self._bound[key]
 
+    # -- prefetch (moeswap.experts.prefetch): guesses read into host slots on the worker ------
+
+    def _prefetch_ahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """Before a layer step: check the guesses made for it, drop stale reads, then reserve
+        host slots for the next layers' guesses and hand their reads to the worker. This
+        layer's experts are pinned: a guess whose admission would evict one puts it back."""
+        needed = {(layer, e) for e in ids.flatten().tolist()}
+        self.prefetch.observe(layer, ids)
+        for key, job in list(self._reads.items()):
+            if job.state == "done":
+                del self._reads[key]
+                self._read_done(key, job)
+            elif key[0] <= layer and key not in needed and self.worker.cancel(job):
+                del self._reads[key]  # a stale guess: its slot stays reserved, without bytes
+                self._unread.add(key)
+                self.prefetch.counts.cancelled += 1
+        pinned = set(needed)
+        for key in self.prefetch.guesses(layer, x, ids):
+            if self.worker.waiting >= self.prefetch.queue_bound:
+                break  # the link is busy with earlier guesses
+            if key in self.policies["device"] or key in self.policies["host"]:
+                pinned.add(key)
+            else:
+                self._reserve(key, pinned)
+
+    def _reserve(self, key: tuple[int, int], pinned: set) -> None:
+        host = self.policies["host"]
+        step = host.access(key)
+        if not step.admitted:
+            return
+        gone = [] if step.evicted is None else [step.evicted]
+        touched = {key, *gone}
+        for _ in range(len(pinned)):  # a pinned victim goes back; what that evicts goes instead
+            back = next((k for k in gone if k in pinned), None)
+            if back is None:
+                break
+            gone.remove(back)
+            again = host.access(back)
+            if again.evicted is not None:
+                gone.append(again.evicted)
+                touched.add(again.evicted)
+        for k in touched:  # the policy has decided; the slots follow it
+            if k in self.slots["host"] and k not in host:
+                self._evict("host", k, self.layer_stats[k[0]])
+        if key in host:
+            index = self.pools["host"].take(key)
+            self.slots["host"][key] = index
+            job = ReadJob(self.layouts[key[0]], key[1], self.pools["host"].slot(index))
+            self._reads[key] = job
+            self.worker.submit(job)
+            self.prefetch.counts.reads += 1
+            pinned.add(key)
+
+    def _read_done(self, key: tuple[int, int], job: ReadJob) -> None:
+        if job.error is not None:
+            self._unread.add(key)
+            return
+        self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
+        self._unused[key] = job.seconds
+
+    def _settle_read(self, key: tuple[int, int], stats: LayerStats) -> None:
+        """Take the key's read off the worker: cancel it if it has not started, else wait."""
+        job = self._reads.pop(key, None)
+        if job is None:
+            return
+        if self.worker.cancel(job):
+            self._unread.add(key)
+            self.prefetch.counts.cancelled += 1
+            return
+        waited = self.worker.wait(job)
+        stats.stall_seconds += waited
+        self.prefetch.counts.wait_seconds += waited
+        self._read_done(key, job)
+        if key in self._unused:
+            self._unused[key] = max(job.seconds - waited, 0.0)
+
+    def _bytes_in_slot(self, key: tuple[int, int], stats: LayerStats) -> bool:
+        """A host-resident expert is asked for: make sure its slot holds its bytes -> whether
+        they were there (or arriving) rather than read now."""
+        if self.prefetch is None:
+            return True
+        self._settle_read(key, stats)
+        if key in self._unused:
+            self.prefetch.read_outcome(key[0], used=True)
+            self.prefetch.counts.used += 1
+            self.prefetch.counts.hidden_seconds += self._unused.pop(key)
+        if key not in self._unread:
+            return True
+        self._unread.discard(key)
+        layout = self.layouts[key[0]]
+        before = self.disk.stats.seconds
+        self.disk.read_expert(layout, key[1], self.pools["host"].slot(self.slots["host"][key]))
+        stats.stall_seconds += self.disk.stats.seconds - before
+        stats.disk_bytes += layout.expert_bytes
+        return False
+
+    def _forget_prefetch(self, key: tuple[int, int], stats: LayerStats) -> None:
+        """Before a host slot is freed: no read may still be writing into it."""
+        self._settle_read(key, stats)
+        if key in self._unused:
+            del self._unused[key]
+            self.prefetch.read_outcome(key[0], used=False)
+            self.prefetch.counts.bytes_wasted += self.layouts[key[0]].expert_bytes
+        self._unread.discard(key)
+
+    def close(self) -> None:
+        """Stop the prefetch worker (also done when the store is collected)."""
+        if self.prefetch is not None:
+            self._stop_worker()
+
     # -- accounting ------------------------------------------------------------------------
 
     def held_bytes(self) -> dict[str, int]:
@@ -354,6 +489,7 @@ class ExpertStore:
                              "experts_resident": len(self.slots[tier])}
                       for tier, held in self.held_bytes().items()},
             "shared_bytes": self.shared_bytes, "kv_bytes": self.kv_bytes,
+            **({"prefetch": self.prefetch.as_dict()} if self.prefetch is not None else {}),
         }
 
 
@@ -367,7 +503,14 @@ class StoreFactory:
 
     def __call__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int],
                  activation: str) -> ExpertStore:
-        self.store = ExpertStore(gguf, kernels, layers, activation, self.options)
+        routers = None
+        if self.options.prefetch in ("gate", "both"):
+            from moeswap.formats.gguf_weights import GGUFWeights
+            from moeswap.models.causal_lm import router
+
+            config, weights = config_from_gguf(gguf), GGUFWeights(gguf)
+            routers = {i: router(config, weights, i) for i in layers}
+        self.store = ExpertStore(gguf, kernels, layers, activation, self.options, routers)
         return self.store
 
     def stats(self) -> dict:

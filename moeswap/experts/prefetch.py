@@ -1,0 +1,273 @@
+"""Prefetch: guess the next MoE layers' experts and read them from disk while this layer computes.
+
+Predictors (``--prefetch``), each giving per token a score over the experts of a later layer:
+
+- ``gate``: speculative gating, layer L+d's router applied to layer L's hidden state (the
+  input of L's experts); the score is its softmax. The store is handed the routers at build time.
+- ``history``: co-activation counts between consecutive MoE layers, learned online from the
+  routing the store sees (``counts[L][e, f]``: tokens that picked e at L and f at the next
+  layer); the score at depth d chains the row-normalised counts d times from L's picks.
+- ``both``: the mean of the two scores.
+
+Guesses are each token's top-k experts by score (their union, at most ``2 * top_k`` per target
+layer, best first). Every guess is checked when its target layer runs (recall and precision per
+layer and depth), whether or not it was read: this "shadow" measurement is what the adaptive
+rule uses. Reads are issued only
+
+- for (layer, depth) pairs whose recent precision is at least ``MIN_PRECISION``;
+- for target layers where the recent share of reads that were used before being evicted is at
+  least ``MIN_PRECISION`` (a budget too small to keep a guess until its layer runs turns
+  prefetch off there; one round in ``PROBE_EVERY`` still reads, to notice when that changes);
+- while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses).
+
+Reads run on ``ReadWorker``'s thread (``preadv`` releases the GIL, so they overlap the kernels);
+the store decides residency on its own thread (moeswap.experts.store).
+
+Legend: N tokens, K picks per token, X experts of a layer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moeswap.experts.tiers import DiskReader
+from moeswap.models.quant_experts import ExpertLayout
+
+PREDICTORS = ("off", "gate", "history", "both")
+MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions than hits save
+PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
+PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between probing reads
+
+
+class TransitionCounts:
+    """How often a token's pick e at one MoE layer was followed by f at the next."""
+
+    def __init__(self, layers: list[int], n_experts: int):
+        self.next = dict(zip(layers, layers[1:]))
+        self.counts = {layer: torch.zeros(n_experts, n_experts) for layer in layers[:-1]}
+        self._last: tuple[int, torch.Tensor] | None = None  # (layer, ids [N, K]) seen last
+
+    def observe(self, layer: int, ids: torch.Tensor) -> None:
+        if self._last is not None:
+            before, before_ids = self._last
+            if self.next.get(before) == layer and before_ids.shape[0] == ids.shape[0]:
+                rows = before_ids[:, :, None].expand(-1, -1, ids.shape[1])  # [N, K, K]
+                cols = ids[:, None, :].expand(-1, before_ids.shape[1], -1)  # [N, K, K]
+                self.counts[before].index_put_((rows.reshape(-1), cols.reshape(-1)),
+                                               torch.ones(rows.numel()), accumulate=True)
+        self._last = (layer, ids)
+
+    def scores(self, layer: int, ids: torch.Tensor, depth: int) -> torch.Tensor:
+        """ids [N, K] at ``layer`` -> [N, X] expected picks ``depth`` MoE layers on."""
+        n_experts = self.counts[layer].shape[0] if layer in self.counts else 0
+        p = torch.zeros(ids.shape[0], n_experts)
+        p.scatter_add_(1, ids, torch.full(ids.shape, 1.0 / ids.shape[1]))  # [N, X]
+        for _ in range(depth):
+            counts = self.counts[layer]
+            p = p @ (counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0))
+            layer = self.next[layer]
+        return p
+
+
+@dataclass
+class Accuracy:
+    """Guesses for one target layer made ``depth`` layers ahead, checked when it ran."""
+    guessed: int = 0
+    actual: int = 0
+    hits: int = 0
+    precision_now: float = 1.0  # running precision (PRECISION_MEMORY); starts trusting
+
+    def check(self, guess: set[int], actual: set[int]) -> None:
+        hits = len(guess & actual)
+        self.guessed, self.actual, self.hits = (self.guessed + len(guess),
+                                                self.actual + len(actual), self.hits + hits)
+        if guess:
+            self.precision_now += PRECISION_MEMORY * (hits / len(guess) - self.precision_now)
+
+    @property
+    def enabled(self) -> bool:
+        return self.precision_now >= MIN_PRECISION
+
+    def as_dict(self) -> dict:
+        return {"guessed": self.guessed, "actual": self.actual, "hits": self.hits,
+                "recall": self.hits / self.actual if self.actual else 0.0,
+                "precision": self.hits / self.guessed if self.guessed else 0.0}
+
+
+@dataclass
+class PrefetchCounts:
+    reads: int = 0  # reads handed to the worker
+    bytes_prefetched: int = 0  # bytes those reads brought in
+    used: int = 0  # prefetched experts later asked for
+    bytes_wasted: int = 0  # prefetched bytes evicted before anyone asked for them
+    cancelled: int = 0  # stale reads dropped before they started
+    wait_seconds: float = 0.0  # the store's thread waiting on a read already running
+    hidden_seconds: float = 0.0  # read time of used prefetches the store did not wait for
+
+
+class Prefetcher:
+    """Predicts, checks and throttles; the store moves the bytes (moeswap.experts.store)."""
+
+    def __init__(self, mode: str, depth: int, layers: list[int], routers: dict, n_experts: int,
+                 top_k: int):
+        if mode not in PREDICTORS[1:]:
+            raise ValueError(f"prefetch mode must be one of {PREDICTORS[1:]}, got {mode!r}")
+        missing = [i for i in layers if i not in routers] if mode != "history" else []
+        if missing:
+            raise ValueError(f"the gate predictor needs every MoE layer's router; {missing} lack one")
+        self.mode, self.depth, self.layers, self.routers = mode, depth, layers, routers
+        self.top_k, self.cap = top_k, 2 * top_k
+        self.queue_bound = depth * self.cap
+        self.history = TransitionCounts(layers, n_experts)
+        self.accuracy = {t: {d: Accuracy() for d in range(1, depth + 1)} for t in layers}
+        self.counts = PrefetchCounts()
+        self._pending: dict[int, dict[int, set[int]]] = {}  # target layer -> depth -> guess
+        self.useful_now = {t: 1.0 for t in layers}  # running share of reads used, per target
+        self._rounds_off = {t: 0 for t in layers}
+
+    def read_outcome(self, target: int, used: bool) -> None:
+        """A read for ``target`` was used, or evicted unused."""
+        self.useful_now[target] += PRECISION_MEMORY * (float(used) - self.useful_now[target])
+
+    def _reads_wanted(self, target: int, depth: int) -> bool:
+        if not self.accuracy[target][depth].enabled:
+            return False
+        if self.useful_now[target] >= MIN_PRECISION:
+            return True
+        self._rounds_off[target] += 1
+        return self._rounds_off[target] % PROBE_EVERY == 0
+
+    def observe(self, layer: int, ids: torch.Tensor) -> None:
+        """Check the guesses made for this layer against its picks ids [N, K]; learn from them."""
+        actual = set(ids.flatten().tolist())
+        for depth, guess in self._pending.pop(layer, {}).items():
+            self.accuracy[layer][depth].check(guess, actual)
+        if self.mode != "gate":
+            self.history.observe(layer, ids)
+
+    def guesses(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> list[tuple[int, int]]:
+        """Keys (target layer, expert) worth reading now, nearest layer first, best first;
+        every guess is remembered for checking, read or not."""
+        at = self.layers.index(layer)
+        keys = []
+        for depth, target in enumerate(self.layers[at + 1:at + 1 + self.depth], start=1):
+            scores = self._scores(layer, target, x, ids, depth)  # [N, X]
+            top = torch.topk(scores, self.top_k, dim=-1)
+            best: dict[int, float] = {}
+            for expert, score in zip(top.indices.flatten().tolist(), top.values.flatten().tolist()):
+                best[expert] = max(score, best.get(expert, 0.0))
+            chosen = sorted((e for e in best if best[e] > 0), key=lambda e: -best[e])[:self.cap]
+            self._pending.setdefault(target, {})[depth] = set(chosen)
+            if self._reads_wanted(target, depth):
+                keys += [(target, e) for e in chosen]
+        return keys[:self.queue_bound]
+
+    def _scores(self, layer: int, target: int, x: torch.Tensor, ids: torch.Tensor,
+                depth: int) -> torch.Tensor:
+        if self.mode == "history":
+            return self.history.scores(layer, ids, depth)
+        gate = torch.softmax(self.routers[target].logits(x), dim=-1)  # [N, X]
+        if self.mode == "gate":
+            return gate
+        return (gate + self.history.scores(layer, ids, depth)) / 2
+
+    def as_dict(self) -> dict:
+        c = self.counts
+        return {"mode": self.mode, "depth": self.depth, "reads": c.reads,
+                "bytes_prefetched": c.bytes_prefetched, "used": c.used,
+                "bytes_wasted": c.bytes_wasted, "cancelled": c.cancelled,
+                "wait_seconds": c.wait_seconds, "hidden_seconds": c.hidden_seconds,
+                "layers": {t: {d: {**a.as_dict(), "reads_enabled": a.enabled and
+                                   self.useful_now[t] >= MIN_PRECISION}
+                               for d, a in by_depth.items()}
+                           for t, by_depth in self.accuracy.items()}}
+
+
+PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
+
+
+@dataclass(eq=False)
+class ReadJob:
+    layout: ExpertLayout
+    expert: int
+    target: np.ndarray  # the host slot it fills
+    state: str = PENDING
+    seconds: float = 0.0
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class ReadWorker:
+    """One thread reading experts into host slots in order; started at the first read."""
+
+    def __init__(self, path, cold: bool):
+        self.disk = DiskReader(path, cold=cold)
+        self._cv = threading.Condition()
+        self._queue: deque[ReadJob] = deque()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def submit(self, job: ReadJob) -> None:
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="moeswap-prefetch",
+                                                daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._cv.notify_all()
+
+    def cancel(self, job: ReadJob) -> bool:
+        """Drop a read that has not started -> True; False when it runs or ran."""
+        with self._cv:
+            if job.state != PENDING:
+                return False
+            self._queue.remove(job)
+            job.state = CANCELLED
+            return True
+
+    def wait(self, job: ReadJob) -> float:
+        """Block until a started read is done -> seconds waited."""
+        started = time.perf_counter()
+        with self._cv:
+            while job.state == RUNNING:
+                self._cv.wait()
+        return time.perf_counter() - started
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+                job.state = RUNNING
+            started = time.perf_counter()
+            try:
+                self.disk.read_expert(job.layout, job.expert, job.target)
+            except (OSError, EOFError) as e:  # the store reads it again itself and reports any error
+                job.error = e
+            job.seconds = time.perf_counter() - started
+            with self._cv:
+                job.state = DONE
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            for job in self._queue:
+                job.state = CANCELLED
+            self._queue.clear()
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        self.disk.close()

@@ -1,0 +1,237 @@
+"""Prefetch in the expert store: output bit-identical with it on or off, for every predictor and
+depth; budgets that hold; this layer's experts never evicted by a guess; stale reads cancelled;
+recall and precision counted right; the gate predictor is the next router's top-k.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tiny_models
+from moeswap.experts.prefetch import Prefetcher
+from moeswap.experts.store import ExpertStore, StoreOptions
+from moeswap.experts.tiers import piece_offsets
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.formats.gguf_weights import GGUFWeights
+from moeswap.gguf_tools.convert import convert
+from moeswap.models import load_model
+from moeswap.models.causal_lm import router
+from moeswap.models.moe import Router
+from moeswap.models.quant_experts import QuantResidentExperts
+from moeswap.quant import CpuKernels
+from test_expert_store import decode_logits, plan, store_model
+
+MODES = ["gate", "history", "both"]
+POLICIES = ["lru", "lfu", "lfuda", "arc", "s3fifo", "window:4", "admit:2"]
+
+
+@pytest.fixture(scope="module")
+def deep_mixtral(tmp_path_factory):
+    """Five MoE layers of eight experts: room for guesses up to four layers ahead."""
+    folder = tmp_path_factory.mktemp("prefetch")
+    tiny_models.save("mixtral", folder / "hf", num_local_experts=8, num_hidden_layers=5)
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="module", params=["qwen2moe", "deepseek2", "gpt_oss", "gemma4"])
+def other_family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"prefetch-{request.param}")
+    tiny_models.save(request.param, folder / "hf")
+    return convert(folder / "hf", folder / "model.q4_0.gguf", "q4_0")
+
+
+def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
+    expected = decode_logits(load_model(deep_mixtral, threads=1, expert_runner=QuantResidentExperts))
+    _, _, layers, _ = plan(deep_mixtral)
+    for mode in MODES:
+        for depth in range(5):
+            for host_slots in (1, 2 * len(layers)):
+                model, factory = store_model(deep_mixtral, host_slots, prefetch=mode,
+                                             prefetch_depth=depth)
+                assert torch.equal(decode_logits(model), expected), (mode, depth, host_slots)
+                assert ("prefetch" in factory.stats()) == (depth > 0)
+                factory.store.close()
+
+
+def test_other_families_are_exact_with_prefetch(other_family):
+    expected = decode_logits(load_model(other_family, threads=1, expert_runner=QuantResidentExperts))
+    _, _, layers, _ = plan(other_family)
+    for mode in MODES:
+        model, factory = store_model(other_family, len(layers), prefetch=mode)
+        assert torch.equal(decode_logits(model), expected), mode
+        factory.store.close()
+
+
+def _routers(path, layers):
+    gguf = GGUFFile.open(path)
+    config, weights = config_from_gguf(gguf), GGUFWeights(gguf)
+    return {i: router(config, weights, i) for i in layers}
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, data):
+    gguf = GGUFFile.open(deep_mixtral)
+    fixed, slot, layers, n_experts = plan(deep_mixtral)
+    everything = len(layers) * n_experts
+    host_budget = fixed + data.draw(st.integers(slot, (everything + 1) * slot), label="host extra")
+    device_budget = data.draw(st.integers(0, 6 * slot), label="device budget")
+    options = StoreOptions(host_bytes=host_budget, device_bytes=device_budget,
+                           policy=data.draw(st.sampled_from(POLICIES)),
+                           miss=data.draw(st.sampled_from(["auto", "compute", "transfer"])),
+                           prefetch=data.draw(st.sampled_from(MODES)),
+                           prefetch_depth=data.draw(st.integers(1, 4)))
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu", options, _routers(deep_mixtral, layers))
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
+    ahead = store._prefetch_ahead
+
+    def pinned_ahead(layer, x, ids):
+        needed = {(layer, e) for e in ids.flatten().tolist()}
+        held = {tier: needed & set(store.slots[tier]) for tier in store.slots}
+        ahead(layer, x, ids)
+        for tier, keys in held.items():
+            assert keys <= set(store.slots[tier]), (tier, keys)
+
+    store._prefetch_ahead = pinned_ahead
+    for _ in range(data.draw(st.integers(1, 4), label="forwards")):
+        n_tokens = data.draw(st.integers(1, 3))
+        for layer in layers:
+            ids = torch.tensor([data.draw(st.permutations(range(n_experts)))[:2]
+                                for _ in range(n_tokens)])
+            weights, x = torch.rand(n_tokens, 2), torch.randn(n_tokens, 64)
+            assert torch.equal(store.run(layer, x, ids, weights),
+                               resident.run(layer, x, ids, weights))
+            held = store.held_bytes()
+            for tier, budget in (("host", host_budget), ("device", device_budget)):
+                assert held[tier] <= budget
+                assert set(store.slots[tier]) == store.policies[tier].resident()
+    for key in list(store._reads):  # let reads in flight land, then check every slot's bytes
+        store._settle_read(key, store.layer_stats[key[0]])
+    for tier in ("host", "device"):
+        for (lay, expert), index in store.slots[tier].items():
+            if (lay, expert) in store._unread:
+                continue
+            layout, in_slot = store.layouts[lay], store.pools[tier].slot(index)
+            for part, offset in zip(layout.parts, piece_offsets(layout)):
+                start = part.data_start + expert * part.expert_bytes
+                assert np.array_equal(in_slot[offset:offset + part.expert_bytes],
+                                      file_bytes[start:start + part.expert_bytes])
+    store.close()
+
+
+def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
+    gguf = GGUFFile.open(deep_mixtral)
+    fixed, slot, layers, n_experts = plan(deep_mixtral)
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu",
+                        StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
+                                     prefetch="gate",
+                                     prefetch_depth=2), _routers(deep_mixtral, layers))
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    gate, read = threading.Event(), store.worker.disk.read_expert
+
+    def held_read(*args):  # the worker's first read waits: everything after it queues up
+        gate.wait()
+        read(*args)
+
+    def wait_opening_the_gate(job):  # were the store to need the held read, it gets it
+        gate.set()
+        return wait(job)
+
+    store.worker.disk.read_expert = held_read
+    wait, store.worker.wait = store.worker.wait, wait_opening_the_gate
+    x, weights = torch.randn(1, 64), torch.rand(1, 2)
+    for layer in layers:  # every layer asks for experts nobody guessed: every guess goes stale
+        unguessed = [e for e in range(n_experts) if (layer, e) not in store._reads]
+        ids = torch.tensor([unguessed[:2]])
+        assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
+    assert not gate.is_set()
+    assert store.prefetch.counts.cancelled > 0
+    # the last layer has run: at most the read held at the gate is left (if the worker started
+    # it in time), every queued one was cancelled; a cancelled guess keeps its slot, no bytes
+    assert [job.state for job in store._reads.values()] in ([], ["running"])
+    assert store._unread and all(key in store.slots["host"] for key in store._unread)
+    gate.set()
+    layer, expert = min(store._unread)  # asked for later, it is read then, bit for bit
+    ids = torch.tensor([[expert, (expert + 1) % n_experts]])
+    assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
+    assert (layer, expert) not in store._unread
+    store.close()
+    assert not store.worker._thread.is_alive()
+
+
+def _eye_router(n: int, top_k: int) -> Router:
+    return Router(torch.eye(n), top_k, normalize=True)
+
+
+def test_recall_and_precision_on_a_hand_built_routing_sequence():
+    routers = {i: _eye_router(4, 2) for i in range(3)}  # logits = x: a token's guess is its top 2
+    p = Prefetcher("gate", 2, [0, 1, 2], routers, n_experts=4, top_k=2)
+    x0 = torch.tensor([[4.0, 3.0, 0.0, 0.0]])
+    p.observe(0, torch.tensor([[0, 1]]))
+    assert p.guesses(0, x0, torch.tensor([[0, 1]])) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    p.observe(1, torch.tensor([[0, 2]]))  # depth 1 guessed {0, 1}: 1 hit of 2
+    x1 = torch.tensor([[0.0, 0.0, 5.0, 4.0]])
+    p.guesses(1, x1, torch.tensor([[0, 2]]))  # layer 2 at depth 1: {2, 3}
+    p.observe(2, torch.tensor([[2, 3]]))  # depth 1: 2 of 2; depth 2 guessed {0, 1}: 0 of 2
+    layers = p.as_dict()["layers"]
+    assert layers[1][1] == {"guessed": 2, "actual": 2, "hits": 1, "recall": 0.5,
+                                 "precision": 0.5, "reads_enabled": True}
+    assert (layers[2][1]["recall"], layers[2][1]["precision"]) == (1.0, 1.0)
+    assert (layers[2][2]["recall"], layers[2][2]["precision"]) == (0.0, 0.0)
+    assert layers[2][2]["reads_enabled"]  # one miss does not yet turn a depth off
+    for _ in range(10):  # a depth that keeps missing stops reading, and is still measured
+        p.guesses(0, x0, torch.tensor([[0, 1]]))
+        p.observe(1, torch.tensor([[0, 1]]))
+        p.guesses(1, x1, torch.tensor([[0, 1]]))
+        p.observe(2, torch.tensor([[2, 3]]))
+    assert not p.as_dict()["layers"][2][2]["reads_enabled"]
+    assert p.as_dict()["layers"][2][2]["guessed"] == 22
+    assert [key for key in p.guesses(0, x0, torch.tensor([[0, 1]])) if key[0] == 2] == []
+
+
+def test_gate_guess_is_the_next_routers_top_k_on_this_hidden_state(deep_mixtral):
+    _, _, layers, n_experts = plan(deep_mixtral)
+    routers = _routers(deep_mixtral, layers)
+    p = Prefetcher("gate", 1, layers, routers, n_experts, top_k=2)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(20):
+        layer = layers[step % (len(layers) - 1)]
+        x = torch.randn(2, 64, generator=generator)  # two tokens: the union of their top 2
+        ids, _ = routers[layer](x)
+        guessed = {e for target, e in p.guesses(layer, x, ids)}
+        expected, _ = routers[layers[layers.index(layer) + 1]](x)
+        assert guessed == set(expected.flatten().tolist())
+        p.observe(layers[layers.index(layer) + 1], expected)  # all hits: reads stay on
+
+
+def test_history_predictor_learns_transitions():
+    p = Prefetcher("history", 2, [0, 1, 2], {}, n_experts=4, top_k=1)
+    for _ in range(3):  # every token: 0 -> 3 -> 1
+        for layer, e in ((0, 0), (1, 3), (2, 1)):
+            p.observe(layer, torch.tensor([[e]]))
+    assert p.guesses(0, torch.zeros(1, 4), torch.tensor([[0]])) == [(1, 3), (2, 1)]
+
+
+def test_run_command_prints_prefetch(tmp_path, capsys):
+    from gguf_builders import mixtral
+
+    from moeswap.cli import main
+
+    path = mixtral().write(tmp_path / "mixtral.gguf")
+    fixed, slot, layers, _ = plan(path)
+    args = ["run", str(path), "-p", "abc", "-n", "3", "--temp", "0", "--threads", "1",
+            "--host-mem", str(fixed + 1024 * 1024 + 2 * len(layers) * slot),
+            "--prefetch", "gate", "--prefetch-depth", "1"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "prefetch (gate, depth 1):" in err, err
+    assert "prefetch layer 1: depth 1: recall" in err, err
