@@ -20,6 +20,9 @@ runner, so logits are bit-identical to the fully resident model at any budget an
 policy (docs/OFFLOAD.md). ``threshold`` (``--expert-threshold``) is an opt-in approximation:
 picks with a routing weight under it are dropped and the rest rescaled, and it is counted.
 
+With ``prefetch`` on, each layer step first reads guesses for the next layers into host slots on
+a worker thread (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
+
 Legend: N tokens, T tokens of one piece, K picks per token, D model width, F expert width,
 M picks of one expert.
 """
