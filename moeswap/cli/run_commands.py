@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from moeswap.cli.offload_args import add_offload_arguments, stats_lines, store_factory
+from moeswap.errors import MoeswapError
 
 
 def register(subparsers) -> None:
@@ -62,6 +63,9 @@ def run_generate(args) -> int:
         experts = store_factory(args, len(args.prompt.encode()) + 1 + args.n_predict)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
                                expert_runner=experts, recorder=recorder)
+        if recorder is not None and not runtime.config.moe_layers:
+            raise MoeswapError(f"{model_path}: this {runtime.config.arch} model has no routed "
+                               "experts; there is no routing to trace (drop --trace)")
         loaded = progress.tasks[0]
         err.print(f"loaded {model_path}: {int(loaded.completed)} tensors in "
                   f"{loaded.elapsed:.1f} s", markup=False)
@@ -90,13 +94,9 @@ def run_generate(args) -> int:
 
 
 def save_trace(recorder, runtime, model_path, out_path) -> None:
-    from moeswap.errors import MoeswapError
     from moeswap.routing.capture import model_name
 
     config = runtime.config
-    if not config.moe_layers:
-        raise MoeswapError(f"{model_path}: this {config.arch} model has no routed experts; "
-                           "there is no routing to trace (drop --trace)")
     trace = recorder.trace(model=model_name(model_path, runtime.model.source), arch=config.arch,
                            layers=config.moe_layers, n_experts=config.n_expert,
                            k=config.n_expert_used, source=f"moeswap run of {model_path}")

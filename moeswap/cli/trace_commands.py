@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=run_simulate, scope="per-layer")
 
-    p = subparsers.add_parser("profile", help="the hot experts of a trace (for --pin-profile) and its reuse table")
+    p = subparsers.add_parser("profile", help="the hot experts of a trace (for --policy pinned:FILE) and its reuse table")
     p.add_argument("trace", help="a moeswap trace (.npz)")
     p.add_argument("--budget", type=int, required=True, help="experts to pin, in total over all layers")
     p.add_argument("--per-layer", action="store_true", help="--budget counts experts per layer instead")

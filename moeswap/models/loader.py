@@ -88,6 +88,9 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         weights = GGUFWeights(source)
     else:
         raise MoeswapError(f"{path}: no such file or folder")
+    if expert_runner is not None and gguf is None:
+        raise MoeswapError(f"{path}: expert offload (--host-mem / --device-mem) needs a .gguf file; "
+                           f"convert the folder first: moeswap convert {path} -o MODEL.gguf")
     build = family(config.arch).build
     if verbose_log is not None:
         weights = _LoggedWeights(weights, verbose_log)

@@ -65,7 +65,11 @@ class Profile:
             },
             "source": self.source,
         }
-        Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        try:
+            Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise MoeswapError(f"{path}: cannot write the profile ({e.strerror or e}); "
+                               "check that its folder exists and is writable") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

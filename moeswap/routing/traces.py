@@ -142,8 +142,12 @@ class RoutingTrace:
             arrays["router_probs"] = self.router_probs.astype(np.float16)
         if self.phase is not None:
             arrays["phase"] = self.phase.astype(np.uint8)
-        with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz"
-            np.savez_compressed(f, **arrays)
+        try:
+            with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz"
+                np.savez_compressed(f, **arrays)
+        except OSError as e:
+            raise MoeswapError(f"{path}: cannot write the trace ({e.strerror or e}); "
+                               "check that its folder exists and is writable") from None
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingTrace:
