@@ -235,3 +235,30 @@ def test_run_command_prints_prefetch(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "prefetch (gate, depth 1):" in err, err
     assert "prefetch layer 1: depth 1: recall" in err, err
+
+
+def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
+    """A tiny budget, guesses four layers ahead, 800 layer steps (the 10,000-step run on the
+    shipped model is `python scripts/bench_prefetch.py stress`, docs/OFFLOAD.md)."""
+    gguf = GGUFFile.open(deep_mixtral)
+    fixed, slot, layers, n_experts = plan(deep_mixtral)
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu",
+                        StoreOptions(host_bytes=fixed + 3 * slot, prefetch="both",
+                                     prefetch_depth=4), _routers(deep_mixtral, layers))
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    generator = torch.Generator().manual_seed(1)
+    threads = []
+    for step in range(160):
+        for layer in layers:
+            x = torch.randn(1, 64, generator=generator)
+            ids = torch.randperm(n_experts, generator=generator)[:2][None]
+            weights = torch.rand(1, 2, generator=generator)
+            assert torch.equal(store.run(layer, x, ids, weights),
+                               resident.run(layer, x, ids, weights))
+        threads.append(threading.active_count())
+    assert len(set(threads[1:])) == 1
+    assert store.prefetch.counts.reads > 0
+    assert len(store._reads) <= store.prefetch.queue_bound
+    store.close()
+    assert threading.active_count() == threads[-1] - 1

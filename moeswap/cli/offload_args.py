@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 
 from moeswap.experts.cost import MISS_MODES
-from moeswap.experts.prefetch import PREDICTORS
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
+    from moeswap.experts.prefetch import PREDICTORS
     from moeswap.experts.store import POLICY_HELP
 
     g = p.add_argument_group("expert offload (GGUF files)")
@@ -44,9 +44,12 @@ def store_factory(args, context_tokens: int):
     """The expert runner the flags ask for, or None for all-resident."""
     if args.host_mem is None:
         return None
+    from moeswap.errors import MoeswapError
     from moeswap.experts.options import parse_size
     from moeswap.experts.store import ExpertStore, StoreOptions
 
+    if args.prefetch_depth < 0:
+        raise MoeswapError(f"--prefetch-depth must be 0 or more, got {args.prefetch_depth}")
     device = parse_size(args.device_mem)
     import torch
 
