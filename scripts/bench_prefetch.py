@@ -105,11 +105,13 @@ def table(args) -> None:
              "| prefetch | decode tok/s | stall s | stall hidden s | reads used / issued | "
              "wasted MiB | recall depth 1 |", "|---|---|---|---|---|---|---|"]
     for mode in MODES:
-        used = "-" if mode == "off" else (f"{statistics.median(r['used'] for r in rows[mode]):.0f}"
-                                          f" / {statistics.median(r['reads'] for r in rows[mode]):.0f}")
-        lines.append(f"| {mode} | {cell(mode, 'tok_s', '.1f')} | {cell(mode, 'stall_s', '.3f')} | "
-                     f"{cell(mode, 'hidden_s', '.3f')} | {used} | {cell(mode, 'wasted_mib', '.1f')} "
-                     f"| {cell(mode, 'recall1', '.0%')} |")
+        used = "-"
+        if mode != "off":
+            used = (f"{statistics.median(r['used'] for r in rows[mode]):.0f} / "
+                    f"{statistics.median(r['reads'] for r in rows[mode]):.0f}")
+        lines.append(f"| {mode} | {cell(mode, 'tok_s', '.1f')} | {cell(mode, 'stall_s', '.3f')} "
+                     f"| {cell(mode, 'hidden_s', '.3f')} | {used} "
+                     f"| {cell(mode, 'wasted_mib', '.1f')} | {cell(mode, 'recall1', '.0%')} |")
     text = "\n".join(lines)
     print(text)
     if args.markdown:

@@ -47,7 +47,8 @@ def other_family(request, tmp_path_factory):
 
 
 def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
-    expected = decode_logits(load_model(deep_mixtral, threads=1, expert_runner=QuantResidentExperts))
+    resident = load_model(deep_mixtral, threads=1, expert_runner=QuantResidentExperts)
+    expected = decode_logits(resident)
     _, _, layers, _ = plan(deep_mixtral)
     for mode in MODES:
         for depth in range(5):
@@ -60,7 +61,8 @@ def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
 
 
 def test_other_families_are_exact_with_prefetch(other_family):
-    expected = decode_logits(load_model(other_family, threads=1, expert_runner=QuantResidentExperts))
+    resident = load_model(other_family, threads=1, expert_runner=QuantResidentExperts)
+    expected = decode_logits(resident)
     _, _, layers, _ = plan(other_family)
     for mode in MODES:
         model, factory = store_model(other_family, len(layers), prefetch=mode)

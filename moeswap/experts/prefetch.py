@@ -120,7 +120,8 @@ class Prefetcher:
             raise ValueError(f"prefetch mode must be one of {PREDICTORS[1:]}, got {mode!r}")
         missing = [i for i in layers if i not in routers] if mode != "history" else []
         if missing:
-            raise ValueError(f"the gate predictor needs every MoE layer's router; {missing} lack one")
+            raise ValueError(f"the gate predictor needs every MoE layer's router; "
+                             f"{missing} lack one")
         self.mode, self.depth, self.layers, self.routers = mode, depth, layers, routers
         self.top_k, self.cap = top_k, 2 * top_k
         self.queue_bound = depth * self.cap
@@ -254,7 +255,7 @@ class ReadWorker:
             started = time.perf_counter()
             try:
                 self.disk.read_expert(job.layout, job.expert, job.target)
-            except (OSError, EOFError) as e:  # the store reads it again itself and reports any error
+            except (OSError, EOFError) as e:  # the store reads it again and reports any error
                 job.error = e
             job.seconds = time.perf_counter() - started
             with self._cv:
