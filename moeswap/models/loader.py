@@ -99,9 +99,22 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     experts: Any
     if gguf is not None and (expert_runner is not None or _quantized_experts(gguf, moe_layers)):
         experts = (expert_runner or QuantResidentExperts)(gguf, kernels, moe_layers, config.expert_act)
+        if verbose_log is not None:
+            _log_expert_stacks(gguf, moe_layers, verbose_log, offloaded=expert_runner is not None)
     else:
         experts = ResidentExperts.from_weights(weights, moe_layers, config.expert_act)
     return build(config, source, BoundWeights(weights, gguf, kernels, verbose_log), experts, recorder)
+
+
+def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], None],
+                       offloaded: bool) -> None:
+    """The routed-expert stacks the kernels compute from where they lie, in the tensor log's form."""
+    where = "expert store (tiers)" if offloaded else "mapped file (zero-copy, quantized kernels)"
+    for layer in layers:
+        for part in ExpertLayout.from_file(gguf, layer).parts:
+            info = gguf.tensor(part.name)
+            shape = "x".join(str(n) for n in info.shape)
+            log(f"{info.name}  {shape}  {info.type_name}  {where}  from offset {info.data_start}")
 
 
 def _quantized_experts(gguf: GGUFFile, layers: list[int]) -> bool:
