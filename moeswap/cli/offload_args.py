@@ -32,10 +32,12 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "rescale the rest (counted in the stats; default 0: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
-    g.add_argument("--prefetch", choices=PREDICTORS, default="both",
+    # Off by default: on the built-in model it was measured slower than no prefetch
+    # (docs/OFFLOAD.md, "Prefetch measurements").
+    g.add_argument("--prefetch", choices=PREDICTORS, default="off",
                    help="read the next layers' likely experts from disk while a layer computes, "
                         "guessed by the next router on this layer's input (gate), by routing "
-                        "history (history) or both; turned down where guesses do not pay (both)")
+                        "history (history) or both; turned down where guesses do not pay (off)")
     g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
 
