@@ -1,5 +1,8 @@
-"""Qwen3-MoE: per-head RMSNorm on q and k before RoPE (NeoX), softmax top-k renormalised,
-no shared expert, explicit head size (head_dim * n_head may differ from n_embd).
+"""Qwen3-MoE and OLMoE: RMSNorm on q and k before RoPE (NeoX), softmax top-k, no shared expert.
+
+The two differ only in facts the config carries: Qwen3-MoE norms q/k per head, renormalises
+the top-k weights and has an explicit head size (head_dim * n_head may differ from n_embd);
+OLMoE norms the whole q and k projections and does not renormalise.
 """
 
 from __future__ import annotations

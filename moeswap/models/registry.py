@@ -5,14 +5,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from moeswap.errors import MoeswapError
-from moeswap.models import (deepseek2, gemma3, gemma4, gpt_oss, granitemoe, llama, olmoe, qwen2moe,
-                            qwen3moe)
+from moeswap.models import deepseek2, gemma3, gemma4, gpt_oss, granitemoe, llama, qwen2moe, qwen3moe
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
     "qwen2moe": qwen2moe,
     "qwen3moe": qwen3moe,
-    "olmoe": olmoe,
+    "olmoe": qwen3moe,  # same layer structure; the config says how q/k norms and weights differ
     "granitemoe": granitemoe,
     "gemma3": gemma3,
     "deepseek2": deepseek2,
