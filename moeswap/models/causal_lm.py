@@ -17,7 +17,7 @@ import torch
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import (Attention, AttentionSpec, AttentionWeights, Batch, DenseFFN,
                                    KVCache, Linear, Rope, rms_norm)
-from moeswap.models.moe import DecisionRecorder, Router
+from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, Router, SharedExpert
 
 Layer = Callable[[torch.Tensor, Batch], torch.Tensor]
 
@@ -124,6 +124,31 @@ def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) ->
     p = f"blk.{layer}.ffn_"
     return DenseFFN(weights.linear(f"{p}gate{suffix}.weight"), weights.linear(f"{p}up{suffix}.weight"),
                     weights.linear(f"{p}down{suffix}.weight"), gelu)
+
+
+# Builds layer i's shared expert (or None) from the weights: (weights, i) -> SharedExpert | None.
+SharedExpertFactory = Callable[[Any, int], SharedExpert | None]
+
+
+def build_pre_norm(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
+                   recorder: DecisionRecorder | None = None, *, ffn_norm: str = "ffn_norm",
+                   shared_expert: SharedExpertFactory | None = None) -> CausalLM:
+    """The pre-norm decoder the llama-like families share: attention, then the MoE block (a dense
+    FFN when the model has no experts). Families differ in the FFN norm's name and the shared
+    expert; everything else (biases, q/k norms, rope kind, multipliers) the config carries."""
+    rotary = rope(config, weights)
+    layers = []
+    for i in range(config.n_layer):
+        attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
+        if config.is_moe:
+            shared = shared_expert(weights, i) if shared_expert else None
+            ffn = MoEBlock(i, router(config, weights, i), experts, shared, recorder=recorder)
+        else:
+            ffn = dense_ffn(weights, i)
+        layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), attention,
+                                   weights.tensor(f"blk.{i}.{ffn_norm}.weight"), ffn, config.rms_eps,
+                                   config.residual_scale))
+    return assemble(config, source, weights, layers, recorder)
 
 
 def assemble(config: ModelConfig, source: Any, weights: Any, layers: list[Layer],

@@ -9,21 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from moeswap.formats.config import ModelConfig
-from moeswap.models.blocks import Attention
-from moeswap.models.causal_lm import (CausalLM, PreNormLayer, assemble, attention_spec,
-                                      attention_weights, dense_ffn, rope, router)
-from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, SharedExpert
+from moeswap.models.causal_lm import CausalLM, build_pre_norm, dense_ffn
+from moeswap.models.moe import DecisionRecorder, ExpertRunner, SharedExpert
+
+
+def ungated_shared_expert(weights: Any, layer: int) -> SharedExpert:
+    return SharedExpert(dense_ffn(weights, layer, "_shexp"))
 
 
 def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
           recorder: DecisionRecorder | None = None) -> CausalLM:
-    rotary = rope(config, weights)
-    layers = []
-    for i in range(config.n_layer):
-        attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
-        shared = SharedExpert(dense_ffn(weights, i, "_shexp")) if config.n_ff_shexp else None
-        moe = MoEBlock(i, router(config, weights, i), experts, shared, recorder=recorder)
-        layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), attention,
-                                   weights.tensor(f"blk.{i}.ffn_norm.weight"), moe, config.rms_eps,
-                                   config.residual_scale))
-    return assemble(config, source, weights, layers, recorder)
+    shared = ungated_shared_expert if config.n_ff_shexp else None
+    return build_pre_norm(config, source, weights, experts, recorder, shared_expert=shared)

@@ -7,21 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 from moeswap.formats.config import ModelConfig
-from moeswap.models.blocks import Attention
-from moeswap.models.causal_lm import (CausalLM, PreNormLayer, assemble, attention_spec,
-                                      attention_weights, dense_ffn, rope, router)
-from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, SharedExpert
+from moeswap.models.causal_lm import CausalLM, build_pre_norm, dense_ffn
+from moeswap.models.moe import DecisionRecorder, ExpertRunner, SharedExpert
+
+
+def gated_shared_expert(weights: Any, layer: int) -> SharedExpert:
+    """The shared expert, scaled per token by sigmoid(ffn_gate_inp_shexp . x)."""
+    return SharedExpert(dense_ffn(weights, layer, "_shexp"),
+                        gate=weights.tensor(f"blk.{layer}.ffn_gate_inp_shexp.weight"))
 
 
 def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
           recorder: DecisionRecorder | None = None) -> CausalLM:
-    rotary = rope(config, weights)
-    layers = []
-    for i in range(config.n_layer):
-        attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
-        shared = SharedExpert(dense_ffn(weights, i, "_shexp"),
-                              gate=weights.tensor(f"blk.{i}.ffn_gate_inp_shexp.weight"))
-        moe = MoEBlock(i, router(config, weights, i), experts, shared, recorder=recorder)
-        layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), attention,
-                                   weights.tensor(f"blk.{i}.ffn_norm.weight"), moe, config.rms_eps))
-    return assemble(config, source, weights, layers, recorder)
+    return build_pre_norm(config, source, weights, experts, recorder, shared_expert=gated_shared_expert)
