@@ -12,15 +12,15 @@ from moeswap.experts.cost import MISS_MODES
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    from moeswap.experts.prefetch import PREDICTORS
-    from moeswap.experts.store import POLICY_HELP
+    from moeswap.experts.options import PREDICTORS
+    from moeswap.routing.policy_specs import POLICY_HELP
 
     g = p.add_argument_group("expert offload (GGUF files)")
     g.add_argument("--host-mem", metavar="SIZE",
                    help="RAM budget, e.g. 8GiB, for shared weights, the KV cache and host-tier "
                         "experts; the others are read from the file when used "
                         "(default: all in RAM)")
-    g.add_argument("--device-mem", metavar="SIZE", default="0",
+    g.add_argument("--device-mem", metavar="SIZE",
                    help="device-tier budget for experts: GPU memory with CUDA, else RAM "
                         "(default 0: none)")
     g.add_argument("--policy", default="lru", help=f"which experts stay: {POLICY_HELP} (lru)")
@@ -52,7 +52,7 @@ def store_factory(args, context_tokens: int):
 
     if args.prefetch_depth < 0:
         raise MoeswapError(f"--prefetch-depth must be 0 or more, got {args.prefetch_depth}")
-    device = parse_size(args.device_mem)
+    device = parse_size(args.device_mem or "0")
     import torch
 
     backend = "cuda" if device and torch.cuda.is_available() else "ram"

@@ -7,6 +7,8 @@ import re
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
 
+PREDICTORS = ("off", "gate", "history", "both")  # --prefetch: moeswap.experts.prefetch
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
           "tb": 1000**4, "tib": 1 << 40}

@@ -36,10 +36,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from moeswap.experts.options import PREDICTORS
 from moeswap.experts.tiers import DiskReader
 from moeswap.models.quant_experts import ExpertLayout
 
-PREDICTORS = ("off", "gate", "history", "both")
 MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions than hits save
 PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
 PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between probing reads

@@ -49,35 +49,9 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.quant_experts import (ExpertLayout, combine, group_picks, hidden, output,
                                           token_pieces)
 from moeswap.quant import CpuKernels, QuantExperts
+from moeswap.routing.policy_specs import live_policy
 
-POLICY_HELP = ("lru, lfu, lfuda, arc, s3fifo, window:N (fewest uses in the last N requests), "
-               "admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the "
-               "profile's hot set pinned, LRU for the other slots), learned:PROFILE (evicts the "
-               "expert whose next use the profile's reuse table expects last)")
 _BIAS_DTYPES = {0: torch.float32, 1: torch.float16}
-
-
-def live_policy(spec: str, capacity: int, top_k: int) -> p.CachePolicy:
-    """The policy ``spec`` names (POLICY_HELP) with room for ``capacity`` experts, over keys
-    (model layer, expert); ``top_k``: requests per token and layer."""
-    name, _, arg = spec.partition(":")
-    plain = {"lru": p.LRU, "lfu": p.LFU, "lfuda": p.LFUDA, "arc": p.ARC, "s3fifo": p.S3FIFO}
-    if name in plain and not arg:
-        return plain[name](capacity)
-    if name in ("window", "admit") and arg.isdigit() and int(arg) > 0:
-        if name == "window":
-            return p.SlidingWindow(capacity, int(arg))
-        return p.AdmitAfter(p.LRU(capacity), int(arg))
-    if name in ("pinned", "learned") and arg:
-        from moeswap.routing.profile import Profile  # only these policies need a profile
-
-        profile = Profile.load(arg)
-        if name == "learned":
-            return p.LearnedReuse(capacity, profile.reuse, top_k, layer_of=lambda key: key[0])
-        # The profile numbers traced layers; the store's keys carry model block indices.
-        hot = [(profile.layers[traced], expert) for traced, expert in profile.hot][:capacity]
-        return p.Pinned(hot, p.LRU(capacity - len(hot)))
-    raise MoeswapError(f"unknown expert policy {spec!r}; choose from {POLICY_HELP}")
 
 
 def routed_bytes(gguf: GGUFFile, layers: list[int]) -> int:
@@ -155,7 +129,9 @@ class ExpertStore:
         self.on_torch_device = options.device_backend != "ram"
         self.pools = {"device": self._device_pool(options.device_backend, device_slots),
                       "host": SlotPool("host", host_slots, self.slot_size)}
-        self.policies = {tier: live_policy(options.policy, pool.n_slots, config.n_expert_used)
+        n_experts = self.layouts[layers[0]].n_experts
+        self.policies = {tier: live_policy(options.policy, pool.n_slots, config.n_expert_used,
+                                           layers, n_experts, str(gguf.path))
                          for tier, pool in self.pools.items()}
         self.slots: dict[str, dict[tuple[int, int], int]] = {"device": {}, "host": {}}
         self.disk = DiskReader(gguf.path, cold=options.cold_reads)

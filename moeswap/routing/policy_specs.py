@@ -16,25 +16,36 @@ from moeswap.routing.simulate import CacheContext, PolicyFactory, SimResult, sim
 from moeswap.routing.traces import RoutingTrace
 
 POLICY_HELP = (
-    "lru, lfu, lfuda, arc, s3fifo, belady, window:N (fewest uses in the last N requests), "
-    "admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the profile's hot set "
-    "pinned, LRU for the other slots), learned:PROFILE (evicts by the profile's reuse table)"
+    "lru, lfu, lfuda, arc, s3fifo, belady (simulation only), window:N (fewest uses in the last N "
+    "requests), admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the "
+    "profile's hot set pinned, LRU for the other slots), learned:PROFILE (evicts the expert "
+    "whose next use the profile's reuse table expects last)"
 )
 
+_PLAIN = {
+    "lru": lambda ctx: p.LRU(ctx.capacity),
+    "lfu": lambda ctx: p.LFU(ctx.capacity),
+    "lfuda": lambda ctx: p.LFUDA(ctx.capacity),
+    "arc": lambda ctx: p.ARC(ctx.capacity),
+    "s3fifo": lambda ctx: p.S3FIFO(ctx.capacity),
+    "belady": lambda ctx: p.Belady(ctx.capacity, ctx.requests),
+}
 
-def policy_factory(spec: str, trace: RoutingTrace) -> PolicyFactory:
-    """The factory a ``--policy`` item names (see POLICY_HELP); profiles must match the trace's layers."""
+
+def policy_factory(spec: str, layers: list[int], n_experts: int, what: str,
+                   live: bool = False) -> PolicyFactory:
+    """The factory a ``--policy`` item names (see POLICY_HELP).
+
+    ``layers``, ``n_experts``: model block index of each traced (or MoE) layer and experts per
+    layer of ``what``, the trace or model file; a profile must match them. ``live``: for the
+    expert store, whose keys are (model block, expert) and which cannot see future requests.
+    """
     name, _, arg = spec.partition(":")
-    plain = {
-        "lru": lambda ctx: p.LRU(ctx.capacity),
-        "lfu": lambda ctx: p.LFU(ctx.capacity),
-        "lfuda": lambda ctx: p.LFUDA(ctx.capacity),
-        "arc": lambda ctx: p.ARC(ctx.capacity),
-        "s3fifo": lambda ctx: p.S3FIFO(ctx.capacity),
-        "belady": lambda ctx: p.Belady(ctx.capacity, ctx.requests),
-    }
-    if name in plain and not arg:
-        return plain[name]
+    if name == "belady" and not arg and live:
+        raise MoeswapError("policy 'belady' needs the future requests, which only a trace has; "
+                           "use it with `moeswap simulate`, or pick another policy")
+    if name in _PLAIN and not arg:
+        return _PLAIN[name]
     if name in ("window", "admit") and arg.isdigit() and int(arg) > 0:
         n = int(arg)
         if name == "window":
@@ -42,20 +53,28 @@ def policy_factory(spec: str, trace: RoutingTrace) -> PolicyFactory:
         return lambda ctx: p.AdmitAfter(p.LRU(ctx.capacity), n)
     if name in ("pinned", "learned") and arg:
         profile = Profile.load(arg)
-        if profile.layers != trace.layers.tolist() or profile.n_experts != trace.n_experts:
-            raise MoeswapError(f"{arg}: profile is for layers {profile.layers} with {profile.n_experts} "
-                               f"experts, the trace has {trace.layers.tolist()} with {trace.n_experts}; "
-                               "profile a trace of this model")
+        profile.check_fits(layers, n_experts, what)
         if name == "learned":
             return lambda ctx: p.LearnedReuse(ctx.capacity, profile.reuse, ctx.k, ctx.layer_of)
-        return lambda ctx: _pinned(profile, ctx)
+        return lambda ctx: _pinned(profile, ctx, live)
     raise MoeswapError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
 
 
-def _pinned(profile: Profile, ctx: CacheContext) -> CachePolicy:
-    hot = profile.hot if ctx.layer is None else profile.hot_in_layer(ctx.layer)
+def _pinned(profile: Profile, ctx: CacheContext, live: bool) -> CachePolicy:
+    if live:  # the profile numbers traced layers; the store's keys carry model block indices
+        hot = [(profile.layers[traced], expert) for traced, expert in profile.hot]
+    else:
+        hot = profile.hot if ctx.layer is None else profile.hot_in_layer(ctx.layer)
     hot = hot[: ctx.capacity]
     return p.Pinned(hot, p.LRU(ctx.capacity - len(hot)))
+
+
+def live_policy(spec: str, capacity: int, top_k: int, layers: list[int], n_experts: int,
+                model: str) -> CachePolicy:
+    """The expert store's policy: room for ``capacity`` experts, keys (model block, expert),
+    ``top_k`` requests per token and layer; ``layers``, ``n_experts``: the model's MoE layers."""
+    factory = policy_factory(spec, layers, n_experts, model, live=True)
+    return factory(CacheContext(capacity=capacity, requests=[], layer=None, k=top_k))
 
 
 def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], scope: str) -> Iterator[SimResult]:
@@ -63,7 +82,8 @@ def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], 
 
     All specs (and their profiles) are resolved before the first replay, so a bad one fails fast.
     """
-    factories = [(spec, policy_factory(spec, trace)) for spec in specs]
+    factories = [(spec, policy_factory(spec, trace.layers.tolist(), trace.n_experts, "the trace"))
+                 for spec in specs]
     for spec, factory in factories:
         for capacity in capacities:
             yield simulate(trace, spec, factory, capacity, scope)

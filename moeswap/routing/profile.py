@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,22 @@ class Profile:
     counts: list[list[int]]  # [L][E] routes per expert in the source trace
     reuse: ReuseTable
     source: str
+    path: str = field(default="", compare=False)  # the file it was loaded from, for errors
+
+    def check_fits(self, layers: list[int], n_experts: int, what: str) -> None:
+        """Refuse a profile of another model: ``layers`` (model block index of each MoE or traced
+        layer, in order) and ``n_experts`` are those of ``what`` (a model or trace file)."""
+        name = self.path or "the profile"
+        if self.layers != list(layers) or self.n_experts != n_experts:
+            raise MoeswapError(f"{name}: profile is for layers {self.layers} with {self.n_experts} "
+                               f"experts, {what} has {list(layers)} with {n_experts}; profile a "
+                               "trace of this model over every MoE layer")
+        outside = [pair for pair in self.hot
+                   if not (0 <= pair[0] < len(self.layers) and 0 <= pair[1] < self.n_experts)]
+        if outside:
+            raise MoeswapError(f"{name}: damaged profile (hot expert {outside[0]} is outside its "
+                               f"{len(self.layers)} layers of {self.n_experts} experts); make it "
+                               "again with `moeswap profile`")
 
     def hot_in_layer(self, layer: int) -> list[int]:
         """The pinned experts of one traced layer, most used first."""
@@ -95,6 +111,7 @@ class Profile:
                 reuse=ReuseTable(tuple(reuse["age_edges"]), int(reuse["window"]),
                                  tuple(tuple(float(v) for v in row) for row in reuse["expected_gap"])),
                 source=doc.get("source", ""),
+                path=str(path),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise MoeswapError(f"{path}: damaged profile (missing or bad {e}); "
