@@ -29,3 +29,43 @@ def test_live_policies_come_from_the_simulators_table():
 def test_belady_is_refused_live_with_the_reason():
     with pytest.raises(MoeswapError, match="'belady' needs the future requests, which only a trace"):
         live_policy("belady", 3, 2, [1, 2], 8, "m.gguf")
+
+
+def save_profile(path, layers: list[int], n_experts: int, hot: list[tuple[int, int]]) -> str:
+    from moeswap.routing.profile import Profile
+
+    table = p.ReuseTable(age_edges=(1, 1 << 30), window=2, expected_gap=((1.0,) * 3,) * 2)
+    Profile("tiny", "x", layers, n_experts, 2, len(hot), hot, [[1] * n_experts] * len(layers),
+            table, "test").save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["pinned", "learned"])
+def test_a_foreign_profile_is_refused_live_naming_the_file(tmp_path, kind):
+    fewer = save_profile(tmp_path / "fewer.json", [1, 2], 4, [(1, 3)])
+    with pytest.raises(MoeswapError, match=rf"^{fewer}: profile is for layers \[1, 2\] with 4 "
+                                           r"experts, m.gguf has \[1, 2\] with 8"):
+        live_policy(f"{kind}:{fewer}", 3, 2, [1, 2], 8, "m.gguf")
+    other_layers = save_profile(tmp_path / "layers.json", [0, 1, 2], 8, [(2, 7)])
+    with pytest.raises(MoeswapError, match=rf"^{other_layers}: profile is for layers \[0, 1, 2\]"):
+        live_policy(f"{kind}:{other_layers}", 3, 2, [1, 2], 8, "m.gguf")
+
+
+def test_a_profile_whose_hot_set_lies_outside_its_model_is_damaged(tmp_path):
+    bad = save_profile(tmp_path / "bad.json", [1, 2], 8, [(0, 8)])
+    with pytest.raises(MoeswapError, match=rf"^{bad}: damaged profile \(hot expert \(0, 8\)"):
+        live_policy(f"pinned:{bad}", 3, 2, [1, 2], 8, "m.gguf")
+
+
+def test_the_planner_checks_profiles_with_the_same_method(tmp_path):
+    from types import SimpleNamespace
+
+    from moeswap.planner.placement import check_profile
+    from moeswap.routing.profile import Profile
+
+    profile = Profile.load(save_profile(tmp_path / "p.json", [1, 2], 4, [(1, 3)]))
+    sizes = SimpleNamespace(moe_layers=[1, 2, 3], n_expert=4, path="m.gguf")
+    with pytest.raises(MoeswapError, match=r"p.json: profile is for layers \[1, 2\] with 4 "
+                                           r"experts, m.gguf has \[1, 2, 3\] with 4"):
+        check_profile(sizes, profile)
+    check_profile(SimpleNamespace(moe_layers=[1, 2], n_expert=4, path="m.gguf"), profile)

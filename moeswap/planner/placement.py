@@ -143,14 +143,7 @@ def expected_hits(sizes: ModelSizes, device_slots: int, host_slots: int,
 
 
 def check_profile(sizes: ModelSizes, profile: Profile) -> None:
-    if profile.n_experts != sizes.n_expert or not set(profile.layers) <= set(sizes.moe_layers):
-        raise MoeswapError(
-            f"the profile is of a model with {profile.n_experts} experts in layers "
-            f"{profile.layers}, not {sizes.path} ({sizes.n_expert} experts in layers "
-            f"{sizes.moe_layers}); profile a trace of this model")
-    if set(profile.layers) != set(sizes.moe_layers):
-        raise MoeswapError(f"the profile covers layers {profile.layers} but {sizes.path} routes in "
-                           f"{sizes.moe_layers}; record the trace over every MoE layer")
+    profile.check_fits(sizes.moe_layers, sizes.n_expert, str(sizes.path))
 
 
 def step_seconds(sizes: ModelSizes, hits: HitRates, rates, n_tokens: int, context: int,
