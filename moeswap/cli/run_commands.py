@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="log each tensor as it is mapped: name, shape, type, where it lives")
     add_offload_arguments(p)
+    p.add_argument("--plan", choices=["auto"],
+                   help="budgets from the planner for this machine's free RAM and GPU, printed "
+                        "first; --host-mem / --device-mem given win (docs/PLANNER.md)")
     p.set_defaults(handler=run_generate)
 
 
@@ -60,7 +63,10 @@ def run_generate(args) -> int:
             if args.verbose:
                 progress.console.print(line, markup=False)
 
-        experts = store_factory(args, len(args.prompt.encode()) + 1 + args.n_predict)
+        context = len(args.prompt.encode()) + 1 + args.n_predict
+        if args.plan == "auto":
+            apply_auto_plan(args, model_path, context, progress.console)
+        experts = store_factory(args, context)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
                                expert_runner=experts, recorder=recorder)
         if recorder is not None and not runtime.config.moe_layers:
@@ -91,6 +97,22 @@ def run_generate(args) -> int:
         err.print(f"routing trace: {args.trace} (see it with: moeswap stats {args.trace} --plots DIR)",
                   markup=False)
     return 0
+
+
+def apply_auto_plan(args, model_path, context: int, console) -> None:
+    """Set the run's budgets to the plan's for this machine (the flags given stay)."""
+    from moeswap.experts.options import parse_size
+    from moeswap.planner.auto import auto_plan, machine_memory
+    from moeswap.planner.rates import plan_rates
+
+    profile = args.policy.removeprefix("pinned:") if args.policy.startswith("pinned:") else None
+    auto = auto_plan(model_path, context, machine_memory(), plan_rates({}),
+                     parse_size(args.host_mem) if args.host_mem else None,
+                     parse_size(args.device_mem) if args.device_mem else None, profile)
+    for line in auto.describe():
+        console.print(line, markup=False)
+    args.host_mem = None if auto.host_bytes is None else str(auto.host_bytes)
+    args.device_mem = str(auto.device_bytes)
 
 
 def save_trace(recorder, runtime, model_path, out_path) -> None:
