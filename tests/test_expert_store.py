@@ -271,3 +271,22 @@ def test_profile_policies_run_exactly_and_pin_by_model_layer(tmp_path):
         assert torch.equal(decode_logits(model), expected), policy
         if policy == "pinned":
             assert {(2, 5), (1, 2)} <= set(factory.store.slots["host"])
+
+
+def test_a_pinned_hot_set_is_held_once_across_the_tiers(tmp_path):
+    from moeswap.experts.policies import ReuseTable
+    from moeswap.routing.profile import Profile
+
+    folder = tmp_path / "m"
+    tiny_models.save("deepseek2", folder / "hf")  # MoE blocks 1 and 2
+    path = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+    _, _, layers, n_experts = plan(path)
+    table = ReuseTable(age_edges=(1, 1 << 30), window=2, expected_gap=((1.0,) * 3,) * 2)
+    Profile("tiny", "deepseek2", layers, n_experts, 3, 3, [(1, 5), (0, 2), (1, 1)],
+            [[1] * n_experts] * 2, table, "test").save(tmp_path / "profile.json")
+    expected = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
+    model, factory = store_model(path, 3, device_slots=1, policy=f"pinned:{tmp_path / 'profile.json'}")
+    store = factory.store
+    assert set(store.slots["device"]) == {(2, 5)}
+    assert set(store.slots["host"]) == {(1, 2), (2, 1)}  # the device's hot expert not again
+    assert torch.equal(decode_logits(model), expected)

@@ -129,10 +129,13 @@ class ExpertStore:
         self.on_torch_device = options.device_backend != "ram"
         self.pools = {"device": self._device_pool(options.device_backend, device_slots),
                       "host": SlotPool("host", host_slots, self.slot_size)}
-        n_experts = self.layouts[layers[0]].n_experts
-        self.policies = {tier: live_policy(options.policy, pool.n_slots, config.n_expert_used,
-                                           layers, n_experts, str(gguf.path))
-                         for tier, pool in self.pools.items()}
+        self.policies: dict[str, p.CachePolicy] = {}
+        for tier, pool in self.pools.items():  # device first: the host pins only what it did not
+            held_faster = frozenset(key for policy in self.policies.values()
+                                    for key in policy.resident())
+            self.policies[tier] = live_policy(
+                options.policy, pool.n_slots, config.n_expert_used, layers,
+                self.layouts[layers[0]].n_experts, str(gguf.path), held_faster)
         self.slots: dict[str, dict[tuple[int, int], int]] = {"device": {}, "host": {}}
         self.disk = DiskReader(gguf.path, cold=options.cold_reads)
         self.planner = MissPlanner(options.miss, options.rates or CPU_ONLY_RATES)

@@ -62,7 +62,8 @@ def policy_factory(spec: str, layers: list[int], n_experts: int, what: str,
 
 def _pinned(profile: Profile, ctx: CacheContext, live: bool) -> CachePolicy:
     if live:  # the profile numbers traced layers; the store's keys carry model block indices
-        hot = [(profile.layers[traced], expert) for traced, expert in profile.hot]
+        hot = [(profile.layers[traced], expert) for traced, expert in profile.hot
+               if (profile.layers[traced], expert) not in ctx.held_faster]
     else:
         hot = profile.hot if ctx.layer is None else profile.hot_in_layer(ctx.layer)
     hot = hot[: ctx.capacity]
@@ -70,11 +71,13 @@ def _pinned(profile: Profile, ctx: CacheContext, live: bool) -> CachePolicy:
 
 
 def live_policy(spec: str, capacity: int, top_k: int, layers: list[int], n_experts: int,
-                model: str) -> CachePolicy:
+                model: str, held_faster: frozenset = frozenset()) -> CachePolicy:
     """The expert store's policy: room for ``capacity`` experts, keys (model block, expert),
-    ``top_k`` requests per token and layer; ``layers``, ``n_experts``: the model's MoE layers."""
+    ``top_k`` requests per token and layer; ``layers``, ``n_experts``: the model's MoE layers;
+    ``held_faster``: what a faster tier pinned (a hot set is pinned in one tier only)."""
     factory = policy_factory(spec, layers, n_experts, model, live=True)
-    return factory(CacheContext(capacity=capacity, requests=[], layer=None, k=top_k))
+    return factory(CacheContext(capacity=capacity, requests=[], layer=None, k=top_k,
+                                held_faster=held_faster))
 
 
 def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], scope: str) -> Iterator[SimResult]:

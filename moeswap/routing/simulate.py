@@ -28,6 +28,8 @@ class CacheContext:
     requests: list  # the whole request stream this cache will see (only offline policies may use it)
     layer: int | None  # traced layer index of a per-layer cache; None for the global cache
     k: int  # requests per token and layer
+    # the live store's host tier: keys its device tier already pinned, not to pin twice
+    held_faster: frozenset = frozenset()
 
     def layer_of(self, key: Key) -> int:
         return key[0] if self.layer is None else self.layer
