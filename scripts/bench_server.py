@@ -1,36 +1,44 @@
 """Server load test on loopback: N requests, C at a time, batched versus one at a time.
 
-Each mode loads the model afresh (a cold expert store), serves it with uvicorn on 127.0.0.1,
-sends the same greedy /v1/completions requests with httpx, and reports: errors, generated
-tokens, wall time, tokens/s, latency percentiles, peak RSS, and the expert store's bytes read
-from disk and hit rate when --host-mem turns the store on.
+Each mode starts its own `moeswap serve` process on 127.0.0.1 (a fresh load, a cold expert
+store), sends the same greedy /v1/completions requests with httpx, and reports: errors,
+generated tokens, wall time, tokens/s, latency percentiles, the server's RSS (from
+/proc/PID/status: VmRSS once it is ready, the runtime's baseline; VmHWM, its peak, at the end;
+and the peak growth of RssAnon, allocated memory, and RssFile, mapped file pages the kernel can
+drop, polled every 20 ms) and, when --host-mem turns the expert store on, the MiB read from
+disk and the hit rate (from /metrics). Flags this script does not know go to
+`moeswap serve` (--host-mem, --threads, --policy ...).
 
-    python scripts/bench_server.py MODEL --requests 64 --concurrency 16 --max-tokens 32
+    python scripts/bench_server.py MODEL --requests 64 --concurrency 16 --max-tokens 32 \
+        --host-mem 26MiB --threads 1
     python scripts/bench_server.py MODEL --requests 8 --concurrency 4 --max-tokens 8   # small
 
-"one at a time" is the same server with --max-batch 1 and the same client concurrency, so the
-only difference is batching.
+"one at a time" is `moeswap serve --max-batch 1` with the same client concurrency, so the
+only difference is batching; it gets --ctx CTX x MAX_BATCH, so that the KV cache charged to
+--host-mem, and the room left there for experts, is the same in both modes. The exit status
+is 1 if any request failed or a server's RssAnon grew by more than --host-mem plus
+--device-mem.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
-from moeswap.cli.offload_args import add_offload_arguments, store_factory
-from moeswap.runtime import load, peak_rss_bytes
-from moeswap.server.app import ServerOptions, create_app
-from moeswap.server.batching import BatchOptions
+from moeswap.cli.offload_args import add_offload_arguments
+from moeswap.experts.options import parse_size
 
+FIELDS = ("VmRSS", "RssAnon", "RssFile")
 WORDS = ("the river", "a small engine", "seven lanterns", "the old map", "winter light",
          "a quiet harbour", "the second door", "copper wire")
 
@@ -47,8 +55,12 @@ async def fire(url: str, model: str, texts: list[str], concurrency: int, max_tok
         nonlocal tokens
         async with slots:
             started = time.perf_counter()
-            r = await client.post(url + "/v1/completions", json={
-                "model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0})
+            try:
+                r = await client.post(url + "/v1/completions", json={
+                    "model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0})
+            except httpx.HTTPError as e:  # a dropped connection is an error, not a crash
+                errors.append(f"{type(e).__name__}: {e}")
+                return
             latencies.append(time.perf_counter() - started)
             if r.status_code != 200:
                 errors.append(f"{r.status_code} {r.text[:200]}")
@@ -62,30 +74,70 @@ async def fire(url: str, model: str, texts: list[str], concurrency: int, max_tok
             "latencies": sorted(latencies)}
 
 
-def run_mode(args, max_batch: int) -> dict:
-    runtime = load(args.model, threads=args.threads,
-                   expert_runner=store_factory(args, args.ctx * max_batch))
-    name = Path(args.model).stem
-    app = create_app(runtime, ServerOptions(name, BatchOptions(
-        max_batch=max_batch, queue_size=args.requests, ctx=args.ctx)))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A 'VmRSS:   1234 kB' line of /proc/PID/status, in bytes."""
+    text = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+
+def metric(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mode(args, serve_flags: list[str], max_batch: int, ctx: int) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moeswap", "serve", args.model, "--port", str(port),
+         "--max-batch", str(max_batch), "--queue", str(args.requests), "--ctx", str(ctx),
+         *serve_flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        result = asyncio.run(fire(url, name, prompts(args.requests), args.concurrency,
+        deadline = time.monotonic() + 120
+        while True:
+            if server.poll() is not None:
+                raise SystemExit(f"moeswap serve exited {server.returncode}: "
+                                 f"{server.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("moeswap serve did not answer /health within 120 s")
+            time.sleep(0.1)
+        baseline = {f: proc_status_bytes(server.pid, f) for f in FIELDS}
+        peaks = dict(baseline)
+        sampling = threading.Event()
+
+        def sample() -> None:  # /proc has no peak per kind of memory: poll it
+            while not sampling.wait(0.02):
+                for f in FIELDS:
+                    peaks[f] = max(peaks[f], proc_status_bytes(server.pid, f))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        result = asyncio.run(fire(url, model, prompts(args.requests), args.concurrency,
                                   args.max_tokens))
+        sampling.set()
+        sampler.join()
+        metrics = httpx.get(url + "/metrics").text
+        result["baseline"] = baseline["VmRSS"]
+        result["anon_growth"] = peaks["RssAnon"] - baseline["RssAnon"]
+        result["file_growth"] = peaks["RssFile"] - baseline["RssFile"]
+        result["peak"] = proc_status_bytes(server.pid, "VmHWM")
     finally:
-        server.should_exit = True
-        thread.join()
-    store = runtime.stats()
-    result["disk_bytes"] = store["total"]["disk_bytes"] if store else None
-    result["hit_rate"] = store["total"]["hit_rate"] if store else None
-    result["rss"] = peak_rss_bytes()
+        server.terminate()
+        server.wait(30)
+    result["disk_bytes"] = metric(metrics, 'moeswap_expert_bytes_moved_total{from="disk"}')
+    result["hit_rate"] = metric(metrics, "moeswap_expert_hit_rate")
     return result
 
 
@@ -96,7 +148,8 @@ def row(label: str, r: dict) -> str:
         f" {r['disk_bytes'] / 2**20:.1f} | {r['hit_rate']:.1%} |"
     return (f"| {label} | {len(r['errors'])} | {r['tokens']} | {r['wall']:.2f} | "
             f"{r['tokens'] / r['wall']:.2f} | {p50:.2f} | {p95:.2f} | "
-            f"{r['rss'] / 2**20:.0f} |{store}")
+            f"{r['baseline'] / 2**20:.0f} | {r['peak'] / 2**20:.0f} | "
+            f"{r['anon_growth'] / 2**20:.1f} | {r['file_growth'] / 2**20:.1f} |{store}")
 
 
 def main() -> int:
@@ -107,21 +160,31 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None)
-    add_offload_arguments(p)
-    args = p.parse_args()
-    batched = run_mode(args, args.max_batch)
-    single = run_mode(args, 1)  # peak RSS is the process's: this row's includes the first's
+    args, serve_flags = p.parse_known_args()
+    offload = argparse.ArgumentParser(add_help=False)
+    offload.add_argument("--threads")
+    add_offload_arguments(offload)
+    budget = offload.parse_known_args(serve_flags)[0]
+    budget_bytes = sum(parse_size(s) for s in (budget.host_mem, budget.device_mem) if s)
+    batched = run_mode(args, serve_flags, args.max_batch, args.ctx)
+    single = run_mode(args, serve_flags, 1, args.ctx * args.max_batch)
     store = " MiB read from disk | hit rate |" if batched["disk_bytes"] is not None else ""
     print(f"{args.requests} requests, {args.concurrency} concurrent, {args.max_tokens} tokens "
-          f"each, greedy, ctx {args.ctx}")
-    print(f"| mode | errors | tokens | wall s | tokens/s | p50 s | p95 s | peak RSS MiB |{store}")
-    print("|---" * (8 + (2 if store else 0)) + "|")
+          f"each, greedy, ctx {args.ctx} per batch slot; moeswap serve {' '.join(serve_flags)}")
+    print("| mode | errors | tokens | wall s | tokens/s | p50 s | p95 s | baseline RSS MiB "
+          f"| peak RSS MiB | RssAnon growth MiB | RssFile growth MiB |{store}")
+    print("|---" * (11 + (2 if store else 0)) + "|")
     print(row(f"batched (--max-batch {args.max_batch})", batched))
     print(row("one at a time (--max-batch 1)", single))
+    speedup = (batched["tokens"] / batched["wall"]) / (single["tokens"] / single["wall"])
+    print(f"batched / one at a time: {speedup:.2f}x tokens/s")
+    over = [r for r in (batched, single) if budget_bytes and r["anon_growth"] > budget_bytes]
+    if budget_bytes:
+        print(f"peak RssAnon within the baseline + budgets ({budget_bytes / 2**20:.1f} MiB): "
+              f"{'yes' if not over else 'NO'}")
     for error in batched["errors"] + single["errors"]:
         print("error:", error, file=sys.stderr)
-    return 1 if batched["errors"] or single["errors"] else 0
+    return 1 if batched["errors"] or single["errors"] or over else 0
 
 
 if __name__ == "__main__":
