@@ -69,3 +69,60 @@ def test_the_planner_checks_profiles_with_the_same_method(tmp_path):
                                            r"experts, m.gguf has \[1, 2, 3\] with 4"):
         check_profile(sizes, profile)
     check_profile(SimpleNamespace(moe_layers=[1, 2], n_expert=4, path="m.gguf"), profile)
+
+
+@pytest.fixture(scope="module")
+def mixtral_file(tmp_path_factory):
+    import tiny_models
+    from moeswap.gguf_tools.convert import convert
+
+    folder = tmp_path_factory.mktemp("mixtral")
+    tiny_models.save("mixtral", folder / "hf")
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+def cut_inside_last_expert_tensor(source, target):
+    """A copy of ``source`` ending half-way through its last routed-expert tensor -> its name."""
+    from moeswap.formats.gguf_file import GGUFFile
+
+    last = max((t for t in GGUFFile.open(source).tensors if "_exps" in t.name),
+               key=lambda t: t.data_end)
+    target.write_bytes(source.read_bytes()[:last.data_start + last.n_bytes // 2])
+    return last
+
+
+def test_a_truncated_model_is_refused_before_any_expert_is_read(mixtral_file, tmp_path):
+    from moeswap.experts.store import ExpertStore, StoreOptions
+    from moeswap.formats.config import config_from_gguf
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.quant import CpuKernels
+
+    cut = tmp_path / "cut.gguf"
+    last = cut_inside_last_expert_tensor(mixtral_file, cut)
+    gguf = GGUFFile.open(cut)
+    with pytest.raises(MoeswapError, match=rf"^{cut}: the file ends before bytes "
+                                           rf"{last.data_start}-{last.data_end} of tensor "
+                                           rf"'{last.name}'; it is truncated: download"):
+        ExpertStore(gguf, CpuKernels(1), config_from_gguf(gguf).moe_layers, "silu",
+                    StoreOptions(host_bytes=1 << 30))
+
+
+def test_a_read_past_the_end_names_the_file_tensor_and_bytes(mixtral_file, tmp_path):
+    import numpy as np
+
+    from moeswap.experts.tiers import DiskReader
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.models.quant_experts import ExpertLayout
+
+    cut = tmp_path / "cut.gguf"
+    last = cut_inside_last_expert_tensor(mixtral_file, cut)
+    block = int(last.name.split(".")[1])
+    layout = ExpertLayout.from_file(GGUFFile.open(mixtral_file), block)
+    part = next(q for q in layout.parts if q.name == last.name)
+    expert = layout.n_experts - 1
+    start = part.data_start + expert * part.expert_bytes
+    reader = DiskReader(cut)
+    with pytest.raises(MoeswapError, match=rf"^{cut}: the file ends before bytes {start}-"
+                                           rf"{start + part.expert_bytes} of tensor '{last.name}'"):
+        reader.read_expert(layout, expert, np.empty(layout.expert_bytes * 2, dtype=np.uint8))
+    reader.close()

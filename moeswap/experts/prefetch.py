@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from moeswap.errors import MoeswapError
 from moeswap.experts.options import PREDICTORS
 from moeswap.experts.tiers import DiskReader
 from moeswap.models.quant_experts import ExpertLayout
@@ -255,7 +256,7 @@ class ReadWorker:
             started = time.perf_counter()
             try:
                 self.disk.read_expert(job.layout, job.expert, job.target)
-            except (OSError, EOFError) as e:  # the store reads it again and reports any error
+            except (OSError, MoeswapError) as e:  # the store reads it again and reports any error
                 job.error = e
             job.seconds = time.perf_counter() - started
             with self._cv:

@@ -43,7 +43,8 @@ from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.options import kv_bytes_per_token
 from moeswap.experts.prefetch import Prefetcher, ReadJob, ReadWorker
 from moeswap.experts.stats import LayerStats, total
-from moeswap.experts.tiers import DiskReader, SlotPool, piece_offsets, slot_bytes
+from moeswap.experts.tiers import (DiskReader, SlotPool, check_inside_file, piece_offsets,
+                                   slot_bytes)
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.quant_experts import (ExpertLayout, combine, group_picks, hidden, output,
@@ -108,6 +109,7 @@ class ExpertStore:
         predictor applies ahead of time; needed for ``prefetch`` gate and both."""
         self.kernels, self.activation, self.options = kernels, activation, options
         self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
+        check_inside_file(gguf.path, list(self.layouts.values()))
         self.slot_size = slot_bytes(list(self.layouts.values()))
         self.shared_bytes = shared_bytes(gguf, layers)
         config = config_from_gguf(gguf)

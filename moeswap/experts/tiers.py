@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeswap.models.quant_experts import ExpertLayout
+from moeswap.errors import MoeswapError
+from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
 ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
 
@@ -78,10 +79,27 @@ class ReadStats:
     seconds: float = 0.0
 
 
+def truncated(path: str | os.PathLike, part: ExpertPart, start: int, end: int) -> MoeswapError:
+    return MoeswapError(f"{path}: the file ends before bytes {start}-{end} of tensor "
+                        f"'{part.name}'; it is truncated: download or convert it again")
+
+
+def check_inside_file(path: str | os.PathLike, layouts: list[ExpertLayout]) -> None:
+    """Every expert piece's data must lie inside the file (a truncated download otherwise
+    fails at the first read of an expert near its end, mid-generation)."""
+    size = os.path.getsize(path)
+    for layout in layouts:
+        for part in layout.parts:
+            end = part.data_start + layout.n_experts * part.expert_bytes
+            if end > size:
+                raise truncated(path, part, part.data_start, end)
+
+
 class DiskReader:
     """Reads experts' pieces from the model file into slots, with ``pread``."""
 
     def __init__(self, path: str | os.PathLike, cold: bool = False):
+        self.path = path
         self.fd = os.open(path, os.O_RDONLY)
         self.cold = cold and hasattr(os, "posix_fadvise")
         self.stats = ReadStats()
@@ -90,13 +108,13 @@ class DiskReader:
         started = time.perf_counter()
         for part, offset in zip(layout.parts, piece_offsets(layout)):
             start = part.data_start + expert * part.expert_bytes
-            self._read_into(slot[offset:offset + part.expert_bytes], start)
+            self._read_into(slot[offset:offset + part.expert_bytes], start, part)
             if self.cold:
                 os.posix_fadvise(self.fd, start, part.expert_bytes, os.POSIX_FADV_DONTNEED)
             self.stats.bytes += part.expert_bytes
         self.stats.seconds += time.perf_counter() - started
 
-    def _read_into(self, target: np.ndarray, offset: int) -> None:
+    def _read_into(self, target: np.ndarray, offset: int, part: ExpertPart) -> None:
         view = memoryview(target)
         done = 0
         while done < len(view):
@@ -107,7 +125,7 @@ class DiskReader:
                 n = len(chunk)
                 view[done:done + n] = chunk
             if n == 0:
-                raise EOFError(f"model file ends before byte {offset + len(view)}")
+                raise truncated(self.path, part, offset, offset + len(view))
             done += n
 
     def close(self) -> None:
