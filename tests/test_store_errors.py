@@ -3,6 +3,7 @@ give one-line MoeswapErrors naming the file and the fix, never a traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -126,3 +127,55 @@ def test_a_read_past_the_end_names_the_file_tensor_and_bytes(mixtral_file, tmp_p
                                            rf"{start + part.expert_bytes} of tensor '{last.name}'"):
         reader.read_expert(layout, expert, np.empty(layout.expert_bytes * 2, dtype=np.uint8))
     reader.close()
+
+
+RATES = {"disk_read": 1e9, "link": 2e9, "host_compute": 3e9, "device_compute": 4e9}
+
+
+@pytest.mark.parametrize("text, why", [
+    ("{not json", "not JSON"),
+    (json.dumps({"h threads=all": {**RATES, "extra": 1.0}}), "does not hold exactly"),
+    (json.dumps({"h threads=all": {"disk_read": 1e9}}), "does not hold exactly"),
+    (json.dumps({"h threads=all": {**RATES, "link": "fast"}}), "not a positive number"),
+    (json.dumps([1, 2]), "not a JSON object"),
+])
+def test_a_damaged_probe_cache_names_the_file_and_the_refresh(tmp_path, text, why):
+    from moeswap.experts.probe import cached_rates, read_cache
+    from moeswap.planner.rates import plan_rates
+
+    cache = tmp_path / "probe.json"
+    cache.write_text(text)
+    expected = rf"^{cache}: damaged or stale probe cache \(.*{why}.*`moeswap probe --refresh`$"
+    for read in (lambda: cached_rates(2, cache), lambda: read_cache(cache),
+                 lambda: plan_rates({}, cache)):
+        with pytest.raises(MoeswapError, match=expected):
+            read()
+
+
+def test_refresh_replaces_a_damaged_probe_cache(tmp_path, monkeypatch):
+    from moeswap.experts import probe
+    from moeswap.experts.cost import Rates
+
+    monkeypatch.setattr(probe, "probe", lambda threads, folder: Rates(**RATES))
+    monkeypatch.setattr(probe.platform, "node", lambda: "box")
+    cache = tmp_path / "probe.json"
+    cache.write_text("{not json")
+    assert probe.cached_rates(2, cache, refresh=True) == Rates(**RATES)
+    assert probe.read_cache(cache) == {("box", "2"): Rates(**RATES)}
+
+
+def test_the_planner_reads_this_hosts_rates_through_read_cache(tmp_path, monkeypatch):
+    from moeswap.experts import probe
+    from moeswap.experts.cost import Rates
+    from moeswap.planner import rates
+
+    monkeypatch.setattr(rates.platform, "node", lambda: "box")
+    cache = tmp_path / "probe.json"
+    faster = {**RATES, "disk_read": 9e9}
+    cache.write_text(json.dumps({"other threads=all": faster, "box threads=2": RATES,
+                                 "box threads=all": faster}))
+    assert rates.probe_cache_rates(cache) == Rates(**faster)
+    cache.write_text(json.dumps({"other threads=all": faster, "box threads=2": RATES}))
+    assert rates.probe_cache_rates(cache) == Rates(**RATES)
+    assert rates.probe_cache_rates(tmp_path / "none.json") is None
+    assert probe.read_cache(tmp_path / "none.json") == {}

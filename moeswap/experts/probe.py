@@ -15,13 +15,14 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from moeswap.errors import MoeswapError
 from moeswap.experts.cost import Rates
 from moeswap.quant import CpuKernels, quantize_rows
 
@@ -107,10 +108,50 @@ def _key(threads: int | None) -> str:
     return f"{platform.node()} threads={threads or 'all'}"
 
 
+def _entries(cache: Path) -> dict[str, dict]:
+    """The cache file's entries, checked; {} when there is none."""
+    if not cache.exists():
+        return {}
+    try:
+        entries = json.loads(cache.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise _damaged(cache, f"not JSON: {e}") from None
+    names = {f.name for f in fields(Rates)}
+    if not isinstance(entries, dict):
+        raise _damaged(cache, "not a JSON object")
+    for key, rates in entries.items():
+        if not isinstance(rates, dict) or set(rates) != names:
+            raise _damaged(cache, f"entry {key!r} does not hold exactly {sorted(names)}")
+        if not all(isinstance(v, (int, float)) and v > 0 for v in rates.values()):
+            raise _damaged(cache, f"entry {key!r} has a rate that is not a positive number")
+    return entries
+
+
+def _damaged(cache: Path, why: str) -> MoeswapError:
+    return MoeswapError(f"{cache}: damaged or stale probe cache ({why}); "
+                        "measure again with `moeswap probe --refresh`")
+
+
+def read_cache(cache: Path = DEFAULT_CACHE) -> dict[tuple[str, str], Rates]:
+    """The cached rates by (host name, thread count or "all"); {} without a cache. Never
+    measures (``cached_rates`` does)."""
+    result = {}
+    for key, rates in _entries(cache).items():
+        host, _, threads = key.rpartition(" threads=")
+        result[host, threads] = Rates(**rates)
+    return result
+
+
 def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
                  refresh: bool = False) -> Rates:
-    """This machine's cached rates; measured (and cached) when there are none."""
-    entries = json.loads(cache.read_text()) if cache.exists() else {}
+    """This machine's cached rates; measured (and cached) when there are none. ``refresh``
+    measures again, replacing a damaged cache."""
+    try:
+        entries = _entries(cache)
+    except MoeswapError:
+        if not refresh:
+            raise
+        entries = {}
     key = _key(threads)
     if refresh or key not in entries:
         entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None))

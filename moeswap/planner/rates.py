@@ -3,13 +3,12 @@ stated conservative defaults. Reading the cache never measures (``moeswap probe`
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from moeswap.experts.cost import Rates
-from moeswap.experts.probe import DEFAULT_CACHE
+from moeswap.experts.probe import DEFAULT_CACHE, read_cache
 
 # Conservative, in bytes per second: a SATA-class SSD read cold, a 2-core product over stored
 # bytes (docs/OFFLOAD.md: this machine's ggml kernels reach ~10 GB/s), PCIe 3.0 x16 as used, and
@@ -25,17 +24,9 @@ class PlanRates:
 
 def probe_cache_rates(cache: Path = DEFAULT_CACHE) -> Rates | None:
     """This host's rates from the probe cache (any thread count; the one for all threads first)."""
-    if not cache.exists():
-        return None
-    try:
-        entries = json.loads(cache.read_text())
-    except ValueError:
-        return None
-    host = platform.node()
-    # probe.py keys entries "<host> threads=<n|all>"
-    mine = [key for key in entries if key.split(" threads=")[0] == host]
-    mine.sort(key=lambda key: not key.endswith("threads=all"))
-    return Rates(**entries[mine[0]]) if mine else None
+    mine = {threads: rates for (host, threads), rates in read_cache(cache).items()
+            if host == platform.node()}
+    return mine.get("all") or next(iter(mine.values()), None)
 
 
 def plan_rates(overrides: dict[str, float | None], cache: Path = DEFAULT_CACHE) -> PlanRates:
