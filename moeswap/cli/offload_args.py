@@ -21,8 +21,9 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "experts; the others are read from the file when used "
                         "(default: all in RAM)")
     g.add_argument("--device-mem", metavar="SIZE",
-                   help="device-tier budget for experts: GPU memory with CUDA, else RAM "
-                        "(default 0: none)")
+                   help="device-tier budget for experts: GPU memory with CUDA (default 0: "
+                        "none); without CUDA it is RAM holding the same form as --host-mem, so "
+                        "the cost model computes misses in place and this tier stays empty")
     g.add_argument("--policy", default="lru", help=f"which experts stay: {POLICY_HELP} (lru)")
     g.add_argument("--miss", choices=MISS_MODES, default="auto",
                    help="on a miss: move the expert up a tier (transfer), compute it where it lies "
