@@ -177,3 +177,15 @@ def test_cli_inspect_tables(tmp_path, capsys):
     for text in ("deepseek2 (known to llama.cpp)", "2 / 8 / 2", "sigmoid", "Q8_0",
                  "blk.2.ffn_down_shexp.weight", "shared_expert"):
         assert text in out
+
+
+def test_cli_inspect_names_llama_cpp_defaults_for_absent_gating_keys(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line, whatever the terminal
+    path = mixtral().write(tmp_path / "m.gguf")  # Mixtral files carry no gating keys
+    assert main(["inspect", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "softmax (default)" in out and "weights norm True (default)" in out
+    path = deepseek2().write(tmp_path / "d.gguf")  # keys present: shown as stored
+    assert main(["inspect", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "sigmoid, weights norm True," in out and "(default)" not in out

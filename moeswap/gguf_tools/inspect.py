@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from rich.console import Console
 from rich.table import Table
 
+from moeswap.formats.config import ARCH_TRAITS
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_moe import (
     ATTENTION, DENSE_FFN, NORM, OTHER, ROUTED, ROUTER, SHARED_EXPERT,
@@ -108,6 +109,19 @@ def _show(value) -> str:
     return "-" if value is None else str(value)
 
 
+def _gating_line(m) -> str:
+    """The router's gating, renormalisation and scale; where a key is absent, llama.cpp's default
+    for the architecture, marked as such."""
+    traits = ARCH_TRAITS.get(m.architecture)
+    gating, norm = m.gating_func_name, m.expert_weights_norm
+    if gating is None and traits is not None:
+        gating = ("top-k logits, then softmax" if traits.gating == "softmax_topk" else "softmax") + \
+            " (default)"
+    if norm is None and traits is not None:
+        norm = f"{traits.expert_weights_norm} (default)"
+    return f"{_show(gating)}, weights norm {_show(norm)}, scale {_show(m.expert_weights_scale)}"
+
+
 def render(report: InspectReport, console: Console, with_tensors: bool = False) -> None:
     m = report.metadata
     known = "known to llama.cpp" if m.known_to_llama_cpp else "NOT known to llama.cpp"
@@ -123,8 +137,7 @@ def render(report: InspectReport, console: Console, with_tensors: bool = False) 
                         f"{_show(m.expert_count)} / {_show(m.expert_shared_count)}")
         summary.add_row("expert FFN width (shared)", f"{_show(report.expert_width)} "
                         f"({_show(m.expert_shared_feed_forward_length)})")
-        summary.add_row("gating", f"{_show(m.gating_func_name)}, weights norm "
-                        f"{_show(m.expert_weights_norm)}, scale {_show(m.expert_weights_scale)}")
+        summary.add_row("gating", _gating_line(m))
         summary.add_row("leading dense layers", _show(m.leading_dense_block_count))
     totals = report.totals
     summary.add_row("tensors / keys", f"{report.n_tensors} / {report.n_kv}")
