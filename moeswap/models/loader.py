@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
@@ -25,41 +24,6 @@ from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
 from moeswap.models.registry import family
 from moeswap.models.weight_binding import BoundWeights
 from moeswap.quant import CpuKernels
-
-
-class _LoggedWeights:
-    """Passes every request through and reports each tensor as it is mapped."""
-
-    def __init__(self, weights: Any, log: Callable[[str], None]):
-        self.weights, self.log = weights, log
-
-    def has(self, name: str) -> bool:
-        return self.weights.has(name)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        self._report(name)
-        return self.weights.tensor(name)
-
-    def describe(self, name: str):
-        return self.weights.describe(name)
-
-    def expert(self, layer: int, expert: int, kind: str) -> torch.Tensor:
-        return self.weights.expert(layer, expert, kind)
-
-    def experts(self, layer: int, kind: str) -> torch.Tensor:
-        stacked = self.weights.experts(layer, kind)
-        name = f"blk.{layer}.ffn_{kind}_exps.weight"
-        if self.weights.has(name):
-            self._report(name)
-        else:
-            self._report(f"blk.{layer}.ffn_gate_up_exps.weight", f" ({kind} half)")
-        return stacked
-
-    def _report(self, name: str, note: str = "") -> None:
-        d = self.weights.describe(name)
-        where = "mapped file (zero-copy)" if d.zero_copy else "RAM (float32)"
-        shape = "x".join(str(n) for n in d.shape)
-        self.log(f"{name}{note}  {shape}  {d.type_name}  {where}  from {d.location}")
 
 
 # Builds the routed-expert runner of a GGUF model: (file, kernels, MoE layers, activation) -> runner.
@@ -92,9 +56,8 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         raise MoeswapError(f"{path}: expert offload (--host-mem / --device-mem) needs a .gguf file; "
                            f"convert the folder first: moeswap convert {path} -o MODEL.gguf")
     build = family(config.arch).build
-    if verbose_log is not None:
-        weights = _LoggedWeights(weights, verbose_log)
     kernels = CpuKernels(threads) if gguf is not None else None
+    bound = BoundWeights(weights, gguf, kernels, verbose_log)
     moe_layers = config.moe_layers
     experts: Any
     if gguf is not None and (expert_runner is not None or _quantized_experts(gguf, moe_layers)):
@@ -102,8 +65,8 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         if verbose_log is not None:
             _log_expert_stacks(gguf, moe_layers, verbose_log, offloaded=expert_runner is not None)
     else:
-        experts = ResidentExperts.from_weights(weights, moe_layers, config.expert_act)
-    return build(config, source, BoundWeights(weights, gguf, kernels, verbose_log), experts, recorder)
+        experts = ResidentExperts.from_weights(bound, moe_layers, config.expert_act)
+    return build(config, source, bound, experts, recorder)
 
 
 def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], None],

@@ -30,13 +30,14 @@ class BoundWeights:
 
     def _float(self, name: str) -> torch.Tensor:
         if name not in self._floats:
-            self._floats[name] = self.weights.tensor(name)
+            self._floats[name] = self.tensor(name)
         return self._floats[name]
 
     def has(self, name: str) -> bool:
         return self.weights.has(name)
 
     def tensor(self, name: str) -> torch.Tensor:
+        self._report(name)
         return self.weights.tensor(name)
 
     def describe(self, name: str):
@@ -46,15 +47,21 @@ class BoundWeights:
         return self.weights.expert(layer, expert, kind)
 
     def experts(self, layer: int, kind: str) -> torch.Tensor:
+        """A float expert stack (the resident runner of F32 files and HF folders)."""
+        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        if self.weights.has(name):
+            self._report(name)
+        else:
+            self._report(f"blk.{layer}.ffn_gate_up_exps.weight", note=f" ({kind} half)")
         return self.weights.experts(layer, kind)
 
     def linear(self, name: str, bias: str | None = None) -> TorchLinear | QuantLinear:
         """The matrix ``name`` ([out, in]) and, when the file has it, the bias ``bias``."""
-        b = self.weights.tensor(bias) if bias is not None and self.weights.has(bias) else None
+        b = self.tensor(bias) if bias is not None and self.weights.has(bias) else None
         info = self._stored_quantized(name)
         if info is None:
             return TorchLinear(self._float(name), b)
-        self._report(name)
+        self._report(name, quantized=True)
         return QuantLinear(self.kernels.matrix(self.gguf.tensor_bytes(info), info.type_id,
                                                tuple(info.shape), name), b)
 
@@ -62,7 +69,7 @@ class BoundWeights:
         info = self._stored_quantized(name)
         if info is None:
             return TorchEmbedding(self._float(name))
-        self._report(name)
+        self._report(name, quantized=True)
         return QuantEmbedding(self.gguf.tensor_bytes(info), info.type_id, tuple(info.shape))
 
     def _stored_quantized(self, name: str):
@@ -73,9 +80,14 @@ class BoundWeights:
         info = self.gguf.tensor(name)
         return None if info.type_id == GGMLQuantizationType.F32 else info
 
-    def _report(self, name: str) -> None:
-        if self.log is not None:
-            d = self.weights.describe(name)
-            shape = "x".join(str(n) for n in d.shape)
-            self.log(f"{name}  {shape}  {d.type_name}  mapped file (computed by kernels)  "
-                     f"from {d.location}")
+    def _report(self, name: str, *, quantized: bool = False, note: str = "") -> None:
+        """One line of the tensor log: name, shape, type, where it lives, where it comes from."""
+        if self.log is None:
+            return
+        d = self.weights.describe(name)
+        if quantized:
+            where = "mapped file (computed by kernels)"
+        else:
+            where = "mapped file (zero-copy)" if d.zero_copy else "RAM (float32)"
+        shape = "x".join(str(n) for n in d.shape)
+        self.log(f"{name}{note}  {shape}  {d.type_name}  {where}  from {d.location}")
