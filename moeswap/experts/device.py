@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from moeswap.experts.tiers import piece_offsets
+from moeswap.experts.tiers import FreeSlots, piece_offsets
 from moeswap.models.quant_experts import ExpertLayout
 
 DEVICE_TYPES = frozenset({int(Q.F32), int(Q.F16), int(Q.Q8_0), int(Q.Q4_0)})
@@ -88,10 +88,11 @@ class DeviceExpert:
                 self.biases[kind] = raw.view(_VECTOR_DTYPES[part.ggml_type]).view(-1).cpu()
 
 
-class TorchDeviceSlots:
+class TorchDeviceSlots(FreeSlots):
     """A pool of expert slots on a torch device, filled through a pinned staging ring."""
 
     def __init__(self, device: str, n_slots: int, slot_size: int, ring: int = 2):
+        super().__init__(n_slots)
         self.device = torch.device(device)
         self.n_slots, self.slot_size = n_slots, slot_size
         self.nbytes = n_slots * slot_size
@@ -103,17 +104,6 @@ class TorchDeviceSlots:
         self._next = 0
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._ready: dict[int, object] = {}  # slot -> event its upload recorded
-        self._free = list(range(n_slots - 1, -1, -1))
-        self.holder: dict[int, object] = {}  # slot -> key of the expert it holds
-
-    def take(self, key) -> int:
-        index = self._free.pop()
-        self.holder[index] = key
-        return index
-
-    def release(self, index: int) -> None:
-        del self.holder[index]
-        self._free.append(index)
 
     def slot(self, index: int) -> torch.Tensor:
         return self.pool[index * self.slot_size:(index + 1) * self.slot_size]

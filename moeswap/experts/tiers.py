@@ -43,25 +43,12 @@ def slot_bytes(layouts: list[ExpertLayout]) -> int:
                default=0)
 
 
-class SlotPool:
-    """``n_slots`` slots of ``slot_size`` bytes in one buffer, allocated once."""
+class FreeSlots:
+    """Which slot of a fixed pool holds which expert; a freed slot is the next one taken."""
 
-    def __init__(self, name: str, n_slots: int, slot_size: int):
-        self.name = name
-        self.n_slots, self.slot_size = n_slots, slot_size
-        spare = np.empty(n_slots * slot_size + ALIGNMENT, dtype=np.uint8)
-        start = -spare.ctypes.data % ALIGNMENT
-        self.buffer = spare[start:start + n_slots * slot_size]  # [n_slots * slot_size]
+    def __init__(self, n_slots: int):
         self._free = list(range(n_slots - 1, -1, -1))
         self.holder: dict[int, object] = {}  # slot -> key of the expert it holds
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this pool holds (its whole buffer, used or not)."""
-        return self.buffer.nbytes
-
-    def slot(self, index: int) -> np.ndarray:
-        return self.buffer[index * self.slot_size:(index + 1) * self.slot_size]
 
     def take(self, key) -> int:
         index = self._free.pop()
@@ -71,6 +58,26 @@ class SlotPool:
     def release(self, index: int) -> None:
         del self.holder[index]
         self._free.append(index)
+
+
+class SlotPool(FreeSlots):
+    """``n_slots`` slots of ``slot_size`` bytes in one buffer, allocated once."""
+
+    def __init__(self, name: str, n_slots: int, slot_size: int):
+        super().__init__(n_slots)
+        self.name = name
+        self.n_slots, self.slot_size = n_slots, slot_size
+        spare = np.empty(n_slots * slot_size + ALIGNMENT, dtype=np.uint8)
+        start = -spare.ctypes.data % ALIGNMENT
+        self.buffer = spare[start:start + n_slots * slot_size]  # [n_slots * slot_size]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this pool holds (its whole buffer, used or not)."""
+        return self.buffer.nbytes
+
+    def slot(self, index: int) -> np.ndarray:
+        return self.buffer[index * self.slot_size:(index + 1) * self.slot_size]
 
 
 @dataclass
