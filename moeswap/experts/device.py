@@ -27,17 +27,16 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from moeswap.experts.tiers import FreeSlots, piece_offsets
-from moeswap.models.quant_experts import ExpertLayout
+from moeswap.experts.tiers import FreeSlots, slot_pieces
+from moeswap.models.quant_experts import VECTOR_DTYPES, ExpertLayout
 
 DEVICE_TYPES = frozenset({int(Q.F32), int(Q.F16), int(Q.Q8_0), int(Q.Q4_0)})
-_VECTOR_DTYPES = {int(Q.F32): torch.float32, int(Q.F16): torch.float16}
 
 
 def dequantize(raw: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.Tensor:
     """Stored bytes (uint8, any device) of a [rows, cols] matrix -> float32 [rows, cols]."""
-    if ggml_type in _VECTOR_DTYPES:
-        return raw.view(_VECTOR_DTYPES[ggml_type]).float().view(rows, cols)
+    if ggml_type in VECTOR_DTYPES:
+        return raw.view(VECTOR_DTYPES[ggml_type]).float().view(rows, cols)
     blocks = raw.view(rows, cols // 32, -1)  # [O, B, bytes per block]
     scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [O, B, 1]
     if ggml_type == Q.Q8_0:
@@ -79,13 +78,11 @@ class DeviceExpert:
     def __init__(self, layout: ExpertLayout, slot: torch.Tensor):
         self.matrices: dict[str, _DeviceMatrix] = {}
         self.biases: dict[str, torch.Tensor] = {}
-        kinds = [*layout.matrices, *layout.biases]  # the order of layout.parts
-        for kind, part, offset in zip(kinds, layout.parts, piece_offsets(layout)):
-            raw = slot[offset:offset + part.expert_bytes]
+        for kind, part, raw in slot_pieces(layout, slot):
             if part.is_matrix:
                 self.matrices[kind] = _DeviceMatrix(raw, part.ggml_type, part.ne)
             else:
-                self.biases[kind] = raw.view(_VECTOR_DTYPES[part.ggml_type]).view(-1).cpu()
+                self.biases[kind] = raw.view(VECTOR_DTYPES[part.ggml_type]).view(-1).cpu()
 
 
 class TorchDeviceSlots(FreeSlots):

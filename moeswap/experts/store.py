@@ -43,16 +43,15 @@ from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.options import kv_bytes_per_token
 from moeswap.experts.prefetch import Prefetcher, ReadJob, ReadWorker
 from moeswap.experts.stats import LayerStats, total
-from moeswap.experts.tiers import (DiskReader, SlotPool, check_inside_file, piece_offsets,
-                                   slot_bytes)
+from moeswap.experts.tiers import (DiskReader, SlotPool, check_inside_file, slot_bytes,
+                                   slot_pieces)
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.models.quant_experts import (ExpertLayout, combine, group_picks, hidden, output,
-                                          token_pieces)
+from moeswap.models.quant_experts import (VECTOR_DTYPES, ExpertLayout, combine, group_picks,
+                                          hidden, output, token_pieces)
 from moeswap.quant import CpuKernels, QuantExperts
 from moeswap.routing.policy_specs import live_policy
 
-_BIAS_DTYPES = {0: torch.float32, 1: torch.float16}
 
 
 def routed_bytes(gguf: GGUFFile, layers: list[int]) -> int:
@@ -92,13 +91,11 @@ class _Slot:
     def __init__(self, kernels: CpuKernels, layout: ExpertLayout, slot: np.ndarray):
         self.matrices: dict[str, QuantExperts] = {}
         self.biases: dict[str, torch.Tensor] = {}
-        kinds = [*layout.matrices, *layout.biases]  # the order of layout.parts
-        for kind, part, offset in zip(kinds, layout.parts, piece_offsets(layout)):
-            raw = slot[offset:offset + part.expert_bytes]
+        for kind, part, raw in slot_pieces(layout, slot):
             if part.is_matrix:
                 self.matrices[kind] = kernels.experts(raw, part.ggml_type, (*part.ne, 1), part.name)
             else:
-                vector = torch.from_numpy(raw).view(_BIAS_DTYPES[part.ggml_type])
+                vector = torch.from_numpy(raw).view(VECTOR_DTYPES[part.ggml_type])
                 self.biases[kind] = vector.view(-1)
 
 

@@ -37,6 +37,14 @@ def piece_offsets(layout: ExpertLayout) -> list[int]:
     return offsets
 
 
+def slot_pieces(layout: ExpertLayout, slot):
+    """(kind, part, bytes) of each piece of an expert held in ``slot`` (a numpy or torch byte
+    buffer), kinds named as in ``layout.matrices`` and ``layout.biases``."""
+    kinds = [*layout.matrices, *layout.biases]  # the order of layout.parts
+    for kind, part, offset in zip(kinds, layout.parts, piece_offsets(layout)):
+        yield kind, part, slot[offset:offset + part.expert_bytes]
+
+
 def slot_bytes(layouts: list[ExpertLayout]) -> int:
     """A slot big enough for the largest expert of any layer, pieces aligned."""
     return max((sum(_aligned(p.expert_bytes) for p in layout.parts) for layout in layouts),

@@ -30,7 +30,7 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.experts import ACTIVATIONS
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels, QuantExperts
 
-_VECTOR_DTYPES = {0: torch.float32, 1: torch.float16}  # ggml type id -> torch dtype (biases)
+VECTOR_DTYPES = {0: torch.float32, 1: torch.float16}  # ggml type id -> torch dtype (biases)
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class ExpertLayout:
         if (scale := part(f"{p}down_exps.scale", 1)) is not None:  # one number per expert
             biases["scale"] = scale
         for b in biases.values():
-            if b.ggml_type not in _VECTOR_DTYPES:
+            if b.ggml_type not in VECTOR_DTYPES:
                 raise MoeswapError(f"{gguf.path}: '{b.name}' must be F32 or F16 to be used "
                                    "as a bias or scale")
         return cls(layer, matrices, biases)
@@ -171,7 +171,7 @@ class QuantResidentExperts:
                 raw = _stack_bytes(gguf, part)
                 self._biases[i, kind] = torch.from_numpy(  # [X, O], small: decoded once
                     np.frombuffer(raw, dtype=np.uint8).copy()).view(
-                    _VECTOR_DTYPES[part.ggml_type]).float().view(part.n_experts, -1)
+                    VECTOR_DTYPES[part.ggml_type]).float().view(part.n_experts, -1)
 
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
