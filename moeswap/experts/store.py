@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -48,7 +49,7 @@ from moeswap.experts.tiers import (DiskReader, SlotPool, check_inside_file, slot
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.quant_experts import (VECTOR_DTYPES, ExpertLayout, combine, group_picks,
-                                          hidden, output, token_pieces)
+                                          hidden, output, run_in_pieces)
 from moeswap.quant import CpuKernels, QuantExperts
 from moeswap.routing.policy_specs import live_policy
 
@@ -179,11 +180,7 @@ class ExpertStore:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
         if self.prefetch is not None:
             self._prefetch_ahead(layer, x, expert_ids)
-        out = torch.empty_like(x)
-        for start, end in token_pieces(x.shape[0]):
-            out[start:end] = self._piece(layer, x[start:end], expert_ids[start:end],
-                                         weights[start:end])
-        return out
+        return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:

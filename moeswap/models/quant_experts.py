@@ -11,7 +11,7 @@ multiplies each expert from wherever its bytes are, as a one-expert stack, and g
 into the same tensors. Both give bit-identical logits: ggml's ``mul_mat_id`` multiplies each
 expert's tokens as one group whatever stack holds the expert (docs/KERNELS.md, "Exactness
 across tiers"); both cut a batch into the same pieces of at most ``MAX_TOKENS_PER_CALL`` tokens
-(``token_pieces``); and both run the torch math between the products (``hidden``, ``output``,
+(``run_in_pieces``); and both run the torch math between the products (``hidden``, ``output``,
 ``combine``) on whole [T*K, ...] tensors of the same shapes. (Elementwise torch ops are not
 position-independent at the last bit: tails and thread splits take a scalar path.)
 
@@ -22,6 +22,8 @@ F expert width, O a part's output width, X experts in the layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -148,11 +150,16 @@ def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (y * weights[..., None].to(y.dtype)).sum(dim=1)
 
 
-def token_pieces(n_tokens: int) -> list[tuple[int, int]]:
-    """[start, end) pieces of at most MAX_TOKENS_PER_CALL tokens: every runner cuts a batch so,
-    because ggml's result for a token may depend on the other tokens of its call."""
-    return [(start, min(start + MAX_TOKENS_PER_CALL, n_tokens))
-            for start in range(0, n_tokens, MAX_TOKENS_PER_CALL)]
+def run_in_pieces(piece, x: torch.Tensor, expert_ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """x [N, D], expert_ids/weights [N, K] -> [N, D], computed by ``piece`` on pieces of at most
+    MAX_TOKENS_PER_CALL tokens: every runner cuts a batch so, because ggml's result for a token
+    may depend on the other tokens of its call."""
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], MAX_TOKENS_PER_CALL):
+        end = min(start + MAX_TOKENS_PER_CALL, x.shape[0])
+        out[start:end] = piece(x[start:end], expert_ids[start:end], weights[start:end])
+    return out
 
 
 class QuantResidentExperts:
@@ -176,11 +183,7 @@ class QuantResidentExperts:
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
-        out = torch.empty_like(x)
-        for start, end in token_pieces(x.shape[0]):
-            out[start:end] = self._piece(layer, x[start:end], expert_ids[start:end],
-                                         weights[start:end])
-        return out
+        return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
