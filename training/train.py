@@ -30,7 +30,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 END_OF_TEXT = "<|endoftext|>"
 VOCAB_SIZE = 4096
 HELD_OUT_EVERY = 20  # every 20th file: 5 % of the corpus
-BALANCE_COEF = 0.05  # weight of the per-layer load-balancing loss
 
 
 def corpus_files() -> list[Path]:
@@ -83,11 +82,15 @@ def build_model(dense: bool, eot: int, resume: Path | None = None):
     return MixtralForCausalLM(config)
 
 
-def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
-    """Switch-Transformer load balancing computed per layer, then averaged.
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], k: int,
+                           floor_coef: float) -> torch.Tensor:
+    """Switch-Transformer load balancing computed per layer, plus a floor term, averaged.
 
     transformers' Mixtral loss pools the counts of all layers, which lets single layers starve
-    experts (we saw layers where some experts got no held-out tokens at all).
+    experts (we saw layers where some experts got no held-out tokens at all). The Switch term's
+    gradient on a starved expert's probability is proportional to its (tiny) share, so it barely
+    revives it; the floor term KL(uniform || mean router distribution) grows like -log(share) and
+    does, while leaving each token's routing free to be sharp.
     Legend: N tokens, E experts.
     """
     losses = []
@@ -95,7 +98,10 @@ def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], k: int) -> t
         probs = logits.float().softmax(dim=-1)  # [N, E]
         chosen = torch.zeros_like(probs).scatter_(1, probs.topk(k, dim=-1).indices, 1.0)  # [N, E]
         n_experts = probs.shape[-1]
-        losses.append(n_experts * (chosen.mean(0) / k * probs.mean(0)).sum())
+        mean_probs = probs.mean(0)  # [E]
+        switch = n_experts * (chosen.mean(0) / k * mean_probs).sum()
+        floor = -(mean_probs * n_experts).log().mean()  # 0 when the mean routing is uniform
+        losses.append(switch + floor_coef * floor)
     return torch.stack(losses).mean()
 
 
@@ -138,6 +144,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", type=Path, help="a previous run's hf/ folder to continue")
+    parser.add_argument("--balance-coef", type=float, default=0.05,
+                        help="weight of the per-layer load-balancing loss (MoE only)")
+    parser.add_argument("--floor-coef", type=float, default=1.0,
+                        help="weight of the floor term inside the per-layer balance loss")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -181,8 +191,9 @@ def main() -> None:
             group["lr"] = args.lr * scale
         out = model(input_ids=window, labels=window)  # the model shifts labels itself
         loss = out.loss  # for the MoE this includes transformers' pooled load-balancing term
-        if not args.dense:
-            loss = loss + BALANCE_COEF * per_layer_balance_loss(out.router_logits, 2)
+        if not args.dense and args.balance_coef:
+            loss = loss + args.balance_coef * per_layer_balance_loss(out.router_logits, 2,
+                                                                      args.floor_coef)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
