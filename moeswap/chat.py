@@ -141,7 +141,7 @@ class ChatSession:
                  f"context: {len(self.cached)}/{self.options.ctx} tokens | peak RSS: "
                  f"{peak_rss_bytes() / 2**20:.0f} MiB"]
         store = self.runtime.stats()
-        if store:
+        if "total" in store:  # a store's stats (replayed routing alone adds only "routing")
             t = store["total"]
             lines.append(f"experts: hit rate {t['hit_rate']:.1%}, {t['disk_bytes'] / 2**20:.1f} MiB "
                          f"read from disk, {t['transfer_bytes'] / 2**20:.1f} MiB moved up")

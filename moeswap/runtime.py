@@ -18,10 +18,12 @@ from moeswap.tokenizer import Tokenizer, load_tokenizer
 
 
 class Runtime:
-    def __init__(self, model: Any, tokenizer: Tokenizer, expert_runner: Any = None):
+    def __init__(self, model: Any, tokenizer: Tokenizer, expert_runner: Any = None,
+                 replay: Any = None):
         self.model = model
         self.tokenizer = tokenizer
         self.expert_runner = expert_runner  # the offload store's factory, when one was asked for
+        self.replay = replay  # moeswap.routing.replay.RoutingReplay, when routing is replayed
         self.chat_template = (
             ChatTemplate(tokenizer.chat_template,
                          bos_token=tokenizer.token_text(tokenizer.bos_id),
@@ -33,8 +35,12 @@ class Runtime:
         return self.model.config
 
     def stats(self) -> dict:
-        """The expert store's metrics (moeswap.experts.store.ExpertStore.stats); {} without one."""
-        return self.expert_runner.stats() if self.expert_runner is not None else {}
+        """The expert store's metrics (moeswap.experts.store.ExpertStore.stats; none without
+        one), and under "routing" what was replayed when the routing is a trace's."""
+        stats = self.expert_runner.stats() if self.expert_runner is not None else {}
+        if self.replay is not None:
+            stats["routing"] = self.replay.stats()
+        return stats
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Text is tokenized with BOS as the model asks and special-token text parsed
@@ -79,7 +85,8 @@ class Runtime:
 
 def load(path: str | os.PathLike, *, threads: int | None = None,
          verbose_log: Callable[[str], None] | None = None, expert_runner: Any = None,
-         tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None) -> Runtime:
+         tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
+         replay_routing: str | os.PathLike | None = None) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -88,8 +95,11 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     expert_runner: what computes a GGUF model's routed experts (moeswap.models.load_model).
     tokenizer_cache_dir: where converted GGUF tokenizers are kept (default ~/.cache/moeswap).
     recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
+    replay_routing: a routing trace (.npz) whose decisions replace the router's, for measuring
+    the store with real routing on a generated model (docs/OFFLOAD.md, "Replayed routing").
     """
     from moeswap.models import load_model
+    from moeswap.routing.replay import RoutingReplay
 
     path = Path(path)
     if not path.exists():
@@ -98,10 +108,11 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
         if threads < 1:
             raise MoeswapError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+    replay = RoutingReplay.load(replay_routing) if replay_routing is not None else None
     tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
-                       recorder=recorder)
-    return Runtime(model, tokenizer, expert_runner)
+                       recorder=recorder, replay=replay)
+    return Runtime(model, tokenizer, expert_runner, replay)
 
 
 def peak_rss_bytes() -> int:

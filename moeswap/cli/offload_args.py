@@ -41,6 +41,10 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "history (history) or both; turned down where guesses do not pay (off)")
     g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
+    g.add_argument("--replay-routing", metavar="TRACE",
+                   help="MEASUREMENT: use a recorded trace's (.npz) expert choices and gate "
+                        "weights instead of the router's; trace layer i drives MoE layer i, "
+                        "position t takes trace token t, wrapping (docs/OFFLOAD.md)")
 
 
 def store_factory(args, context_tokens: int):
@@ -70,11 +74,14 @@ def store_factory(args, context_tokens: int):
 
 
 def stats_lines(stats: dict) -> list[str]:
-    """A few readable lines: totals, tiers, then one line per layer."""
-    if not stats:
-        return []
+    """A few readable lines: replayed routing, totals, tiers, then one line per layer."""
+    from moeswap.routing.replay import routing_line
+
+    lines = [routing_line(stats["routing"])] if "routing" in stats else []
+    if "total" not in stats:
+        return lines
     t = stats["total"]
-    lines = [f"experts: {t['requests']} used, hit rate {t['hit_rate']:.1%} "
+    lines += [f"experts: {t['requests']} used, hit rate {t['hit_rate']:.1%} "
              f"(device {t['device_hits']}, host {t['host_hits']}), disk misses {t['disk_misses']} "
              f"({t['disk_bytes'] / 2**20:.1f} MiB), transfers {t['transfers']}, "
              f"computed in place {t['computed_in_place']}, "

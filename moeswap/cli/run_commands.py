@@ -68,7 +68,8 @@ def run_generate(args) -> int:
             apply_auto_plan(args, model_path, context, progress.console)
         experts = store_factory(args, context)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
-                               expert_runner=experts, recorder=recorder)
+                               expert_runner=experts, recorder=recorder,
+                               replay_routing=args.replay_routing)
         if recorder is not None and not runtime.config.moe_layers:
             raise MoeswapError(f"{model_path}: this {runtime.config.arch} model has no routed "
                                "experts; there is no routing to trace (drop --trace)")

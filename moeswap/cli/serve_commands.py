@@ -46,7 +46,8 @@ def _load(args, context_tokens: int):
     import moeswap
 
     return moeswap.load(args.model, threads=args.threads,
-                        expert_runner=store_factory(args, context_tokens))
+                        expert_runner=store_factory(args, context_tokens),
+                        replay_routing=args.replay_routing)
 
 
 def run_serve(args) -> int:

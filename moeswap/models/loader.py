@@ -32,13 +32,14 @@ ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRun
 
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
                threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None,
-               recorder: DecisionRecorder | None = None) -> CausalLM:
+               recorder: DecisionRecorder | None = None, replay: Any = None) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
     expert_runner: what computes a GGUF model's routed experts (default: all resident, computed
     from the mapped file); the offload store comes in here.
     recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
+    replay: a moeswap.routing.replay.RoutingReplay whose trace's decisions replace the router's.
     """
     path = Path(path)
     source: Any
@@ -66,6 +67,8 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
             _log_expert_stacks(gguf, moe_layers, verbose_log, offloaded=expert_runner is not None)
     else:
         experts = ResidentExperts.from_weights(bound, moe_layers, config.expert_act)
+    if replay is not None:
+        experts, recorder = replay.attach(config, str(path), experts, recorder)
     return build(config, source, bound, experts, recorder)
 
 

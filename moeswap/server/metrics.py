@@ -57,7 +57,7 @@ def render_metrics(scheduler: BatchScheduler, http: HttpCounts, store_stats: dic
                      [("", c.tokens_per_second())])
     lines += _series("moeswap_busy_seconds_total", "counter", "time spent in forward steps",
                      [("", c.busy_seconds)])
-    if store_stats:
+    if "total" in store_stats:  # a store's stats (replayed routing alone adds only "routing")
         lines += _store_series(store_stats)
     return "\n".join(lines) + "\n"
 
