@@ -12,7 +12,7 @@ from moeswap.experts.cost import MISS_MODES
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    from moeswap.experts.options import PREDICTORS
+    from moeswap.experts.options import LOWBIT_TYPES, PREDICTORS
     from moeswap.routing.policy_specs import POLICY_HELP
 
     g = p.add_argument_group("expert offload (GGUF files)")
@@ -31,6 +31,11 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--expert-threshold", type=float, default=0.0, metavar="P",
                    help="APPROXIMATION: skip picked experts whose routing weight is under P and "
                         "rescale the rest (counted in the stats; default 0: off)")
+    g.add_argument("--miss-lowbit", default="", metavar="TYPE",
+                   help="APPROXIMATION: keep a TYPE copy (e.g. q4_0) of every routed expert in "
+                        "RAM, charged to --host-mem, and compute a miss the host tier does not "
+                        f"admit from it instead of reading the file; {', '.join(LOWBIT_TYPES)} "
+                        "(counted in the stats; default: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
     # Off by default: on the built-in model it was measured slower than no prefetch
@@ -49,9 +54,12 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
 
 def store_factory(args, context_tokens: int):
     """The expert runner the flags ask for, or None for all-resident."""
-    if args.host_mem is None:
-        return None
     from moeswap.errors import MoeswapError
+
+    if args.host_mem is None:
+        if args.miss_lowbit:  # an approximation must not be asked for and silently skipped
+            raise MoeswapError("--miss-lowbit needs the expert store: give --host-mem too")
+        return None
     from moeswap.experts.options import parse_size
     from moeswap.experts.store import ExpertStore, StoreOptions
 
@@ -70,7 +78,7 @@ def store_factory(args, context_tokens: int):
         host_bytes=parse_size(args.host_mem), device_bytes=device, context_tokens=context_tokens,
         policy=args.policy, miss=args.miss, threshold=args.expert_threshold,
         cold_reads=args.cold_reads, rates=rates, device_backend=backend, prefetch=args.prefetch,
-        prefetch_depth=args.prefetch_depth))
+        prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit))
 
 
 def stats_lines(stats: dict) -> list[str]:
@@ -90,6 +98,11 @@ def stats_lines(stats: dict) -> list[str]:
     if t["threshold_drops"]:
         lines.append(f"expert threshold (approximation): {t['threshold_drops']} picks dropped, "
                      f"{t['threshold_saved_bytes'] / 2**20:.1f} MiB not read")
+    if "lowbit" in stats:
+        s = stats["lowbit"]
+        lines.append(f"miss-lowbit {s['type']} (approximation): {s['fires']} misses computed from "
+                     f"low-bit copies, {s['saved_bytes'] / 2**20:.1f} MiB not read, copies hold "
+                     f"{s['held_bytes'] / 2**20:.1f} MiB")
     for tier, s in stats["tiers"].items():
         lines.append(f"{tier} tier: {s['experts_resident']}/{s['slots']} slots of "
                      f"{s['slot_bytes']} bytes, holds {s['held_bytes'] / 2**20:.1f} MiB of "

@@ -8,6 +8,10 @@ from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
 
 PREDICTORS = ("off", "gate", "history", "both")  # --prefetch: moeswap.experts.prefetch
+# --miss-lowbit: the types a low-bit copy can take (moeswap.experts.lowbit); ggml quantizes
+# each without an importance matrix.
+LOWBIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
+                "iq4_nl")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
