@@ -5,11 +5,14 @@ from __future__ import annotations
 import functools
 import random
 
+import numpy as np
 import pytest
 
 from moeswap.experts.policies import (
     ARC, LFU, LFUDA, LRU, S3FIFO, AdmitAfter, Belady, LearnedReuse, Pinned, ReuseTable, SlidingWindow,
 )
+from moeswap.routing.profile import learn_reuse_table, use_bucket
+from moeswap.routing.traces import RoutingTrace
 
 
 def replay(policy, keys):
@@ -95,6 +98,35 @@ def test_learned_reuse_never_evicts_the_current_tokens_experts():
     # token 0: a b; token 1: c d. d must not evict c (served by the same token).
     steps = [policy.access(k) for k in "abcd"]
     assert steps[3].evicted != "c" and policy.resident() == {"c", "d"}
+
+
+def test_use_counts_pool_in_doubling_buckets():
+    assert [use_bucket(n) for n in range(18)] == [0, 1, 2, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5, 6]
+
+
+def test_learned_table_pools_use_counts_and_decides_the_eviction():
+    # Learning trace, one layer, top-1: "a a a a b" three times (tokens 0..14), window 4 tokens.
+    # Samples at age 1 (gap = tokens to the next use, 64 when none):
+    #   a, 1 use: t1 -> 0 | a, 2 uses: t2 -> 0 | a, 3 uses: t3, t6-8, t11-13 -> 0 (7 samples)
+    #   a, 4 uses: t4 -> 1, t9 -> 1, t14 -> 64 | b, 1 use: t5 -> 4, t10 -> 4
+    # Uses 3 and 4 share a bucket: 10 samples, mean 66/10 = 6.6. The other cells have < 5 samples
+    # and take the age-1 mean, 74/14. (Unpooled, "3 uses" alone would read 0.0.)
+    # Age 2: a, 3 uses (t5, t10) -> 0, b (t6, t11) -> 3: mean 1.5. Age 3: b -> 2. Age 4: b -> 1.
+    # Age 5 (bucket <= 6): b, 0 uses (t9, t14) -> 0. Older buckets: no samples, the horizon 64.
+    a, b, c = 0, 1, 2
+    ids = [[[b if t % 5 == 4 else a]] for t in range(15)]
+    trace = RoutingTrace(model="m", arch="x", layers=[0], n_experts=3, k=1, prompt_offsets=[0, 15],
+                         expert_ids=ids, weights=np.ones((15, 1, 1)))
+    table = learn_reuse_table(trace, window=4)
+    assert table.expected_gap[:5] == ((5.2857, 5.2857, 5.2857, 6.6, 6.6), (1.5,) * 5, (2.0,) * 5,
+                                      (1.0,) * 5, (0.0,) * 5)
+    assert all(row == (64.0,) * 5 for row in table.expected_gap[5:])
+    # Replay "a a b a c a" at capacity 2. At c (token 4): a has age 1 and 3 uses in the window
+    # (6.6), b age 2 (1.5) -> a, the most recent, goes. At a (token 5): b has age 3 (2.0),
+    # c age 1 with 1 use (5.2857) -> c goes.
+    policy = LearnedReuse(2, table, k=1)
+    assert [policy.access(key).evicted for key in [a, a, b, a, c, a]] == [None, None, None, None, a, c]
+    assert policy.resident() == {a, b}
 
 
 def optimal_hits(keys: tuple, capacity: int) -> int:

@@ -26,7 +26,7 @@ AGE_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 1 << 30)  # tokens; the last buck
 WINDOW_CHOICES = (8, 16, 32, 64, 128)  # tokens; build_profile picks one by cross-validation
 REUSE_WINDOW = 16  # tokens; the window of traces too short to cross-validate
 REUSE_HORIZON = 64  # tokens; later (or never) next uses count as this
-MIN_SAMPLES = 5  # a table cell with fewer samples falls back to its age bucket's mean
+MIN_SAMPLES = 5  # a pooled cell with fewer samples falls back to its age bucket's mean
 
 
 @dataclass
@@ -140,10 +140,19 @@ def hot_set(counts: np.ndarray, budget: int, per_layer: bool) -> list[tuple[int,
     return chosen
 
 
+def use_bucket(uses: int) -> int:
+    """Uses in the window, pooled: 0, 1, 2, 3-4, 5-8, 9-16, ... (bucket 0, 1, 2, 3, 4, 5, ...)."""
+    return 0 if uses == 0 else (uses - 1).bit_length() + 1
+
+
 def learn_reuse_table(trace: RoutingTrace, window: int = REUSE_WINDOW, horizon: int = REUSE_HORIZON) -> ReuseTable:
     """Mean tokens until the next use of an expert, by its age and its uses in the last ``window`` tokens.
 
     Sampled at every recorded token of every layer, for every expert that layer used before.
+    Use counts are pooled in doubling buckets (``use_bucket``): one column per count would
+    leave most cells of a long window with too few samples, and a cell that falls back to
+    its age bucket's mean forgets how often the expert was used. The table still has one
+    column per count (pooled columns repeat), so the policy reads it unchanged.
     """
     sums = np.zeros((len(AGE_EDGES), window + 1))
     samples = np.zeros_like(sums)
@@ -167,6 +176,8 @@ def learn_reuse_table(trace: RoutingTrace, window: int = REUSE_WINDOW, horizon: 
                 uses[recent.popleft()] -= 1
     by_age = sums.sum(axis=1) / np.maximum(samples.sum(axis=1), 1)
     by_age[samples.sum(axis=1) == 0] = horizon
+    pool = np.eye(use_bucket(window) + 1)[[use_bucket(f) for f in range(window + 1)]]  # [window+1, buckets]
+    sums, samples = (sums @ pool) @ pool.T, (samples @ pool) @ pool.T  # each column: its bucket's total
     table = np.where(samples >= MIN_SAMPLES, sums / np.maximum(samples, 1), by_age[:, None])
     return ReuseTable(AGE_EDGES, window, tuple(tuple(round(float(v), 4) for v in row) for row in table))
 
