@@ -1,15 +1,22 @@
-"""The expert store on the trained model with its real routing: held-out text, token by token.
+"""The expert store on the built-in trained model with its own, real routing: held-out text.
 
-    python scripts/offload_trained.py table --run training/runs/moe --markdown table.md
+    python scripts/offload_trained.py profile -o /tmp/moeswap-models/stdlib-moe-train.profile.json
+        records the model's routing on windows of its *training* text and builds the routing
+        profile the learned policy uses (`--policies learned:PROFILE`), so that the text the
+        policy learned from is not the text it is scored on
+    python scripts/offload_trained.py table --policies lru lfu learned:PROFILE --markdown t.md
         decode tokens/s and hit rate for expert RAM budgets of 0, 10, 25, 50, 100 % of the
-        routed bytes (the rest read from the file, cold reads), per --policies entry
-    python scripts/offload_trained.py threshold --run training/runs/moe --markdown q.md
+        routed bytes (the rest read from the file, cold reads), per --policies entry, on
+        windows of the *held-out* text
+    python scripts/offload_trained.py threshold --markdown q.md
         the quality cost of --expert-threshold P (an approximation): KL divergence from the
         fully resident model and perplexity, beside how often it fired and the bytes it saved
 
-The run's HF folder is converted to Q8_0 once, into --work-dir. Held-out text is
-training's own held-out split (training/train.py), fed one token at a time (teacher-forced), so
-the router sees real text; each window starts with a fresh cache.
+The model is a GGUF file (--model, default the built-in moeswap/data/stdlib-moe-q8_0.gguf). Its
+text is training's corpus split (training/train.py: every 20th stdlib file held out), encoded
+with the GGUF's own tokenizer, one end-of-text token after each file as training did. Scored
+windows are fed one token at a time (teacher-forced, a fresh cache per window), so the router
+sees real text.
 """
 
 from __future__ import annotations
@@ -26,25 +33,23 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "training"))
 
-
-def quantized_model(run: Path, work_dir: Path) -> Path:
-    from moeswap.gguf_tools.convert import convert
-
-    path = work_dir / f"{run.resolve().name}.q8_0.gguf"
-    if not path.exists():
-        work_dir.mkdir(parents=True, exist_ok=True)
-        convert(run / "hf", path, "q8_0")
-    return path
+PROFILE_FILES_EVERY = 40  # the profile's text: every 40th training file (encoding all is slow)
 
 
-def held_out_windows(run: Path, n_windows: int, length: int) -> list[torch.Tensor]:
-    from tokenizers import Tokenizer
-    from train import corpus_files, encode, split_corpus
+def text_windows(model_path: Path, split: str, n_windows: int, length: int) -> list[torch.Tensor]:
+    """``n_windows`` evenly spaced windows of ``length`` tokens of the training or held-out text."""
+    from train import corpus_files, split_corpus
 
-    ids = encode(Tokenizer.from_file(str(run / "hf" / "tokenizer.json")),
-                 split_corpus(corpus_files())[1])
+    from moeswap.tokenizer import load_tokenizer
+
+    train, held_out = split_corpus(corpus_files())
+    texts = held_out if split == "held-out" else train[::PROFILE_FILES_EVERY]
+    tokenizer = load_tokenizer(model_path)
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer.encode(text, add_special=False, parse_special=False) + [tokenizer.eos_id]
     starts = np.linspace(0, len(ids) - length - 1, n_windows).astype(np.int64)
-    return [torch.from_numpy(ids[s:s + length]) for s in starts]
+    return [torch.tensor(ids[s:s + length]) for s in starts]
 
 
 def teacher_forced(model, windows: list[torch.Tensor]) -> torch.Tensor:
@@ -75,7 +80,31 @@ def store(path: Path, share: float, threads: int, **options):
     return load_model(path, threads=threads, expert_runner=factory), factory, picks_per_token
 
 
-def table(args, path: Path, windows: list[torch.Tensor]) -> list[str]:
+def profile(args, path: Path) -> list[str]:
+    """Record the routing of training-text windows (one forward per window) and profile it."""
+    from moeswap.models import load_model
+    from moeswap.routing.profile import build_profile
+    from moeswap.routing.recorder import RoutingRecorder
+
+    windows = text_windows(path, "train", args.windows, args.length)
+    recorder = RoutingRecorder()
+    model = load_model(path, threads=args.threads, recorder=recorder)
+    for window in windows:
+        model.forward([window], [model.new_cache()])
+    c = model.config
+    trace = recorder.trace(model=path.name, arch=c.arch, layers=c.moe_layers, n_experts=c.n_expert,
+                           k=c.n_expert_used, source=f"{path.name} on training text")
+    budget = len(c.moe_layers) * c.n_expert // 4  # the hot set (used by pinned:, not by learned:)
+    built = build_profile(trace, budget, per_layer=False,
+                          source=f"{len(windows)} x {args.length} tokens of training text "
+                                 f"(every {PROFILE_FILES_EVERY}th training file)")
+    built.save(args.output)
+    return [f"profile: {args.output} (reuse window {built.reuse.window} tokens, from "
+            f"{trace.n_tokens} training-text tokens); use --policies learned:{args.output}"]
+
+
+def table(args, path: Path) -> list[str]:
+    windows = text_windows(path, "held-out", args.windows, args.length)
     n_tokens = sum(len(w) for w in windows)
     lines = ["| policy | expert RAM budget | decode tokens/s | hit rate | disk read MiB |",
              "|---|---:|---:|---:|---:|"]
@@ -86,16 +115,18 @@ def table(args, path: Path, windows: list[torch.Tensor]) -> list[str]:
             teacher_forced(model, windows)
             seconds = time.perf_counter() - started
             t = factory.stats()["total"]
-            lines.append(f"| {policy} | {share:.0%} | {n_tokens / seconds:.1f} | "
+            name = policy.split(":")[0] if policy.startswith("learned:") else policy
+            lines.append(f"| {name} | {share:.0%} | {n_tokens / seconds:.1f} | "
                          f"{t['hit_rate']:.1%} | {t['disk_bytes'] / 2**20:.1f} |")
             print(lines[-1], flush=True)
     return lines
 
 
-def threshold(args, path: Path, windows: list[torch.Tensor]) -> list[str]:
+def threshold(args, path: Path) -> list[str]:
     from moeswap.models import load_model
     from moeswap.models.quant_experts import QuantResidentExperts
 
+    windows = text_windows(path, "held-out", args.windows, args.length)
     targets = torch.cat([w[1:] for w in windows])  # next tokens
     keep = torch.cat([torch.arange(len(w) - 1) + sum(len(v) for v in windows[:i])
                       for i, w in enumerate(windows)])  # positions that have a next token
@@ -123,20 +154,21 @@ def threshold(args, path: Path, windows: list[torch.Tensor]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["table", "threshold"])
-    parser.add_argument("--run", default="training/runs/moe", help="a training run folder")
+    parser.add_argument("mode", choices=["profile", "table", "threshold"])
+    parser.add_argument("--model", default=str(ROOT / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"),
+                        help="the trained model's GGUF (default: the built-in one)")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--length", type=int, default=64, help="tokens per window")
-    parser.add_argument("--policies", nargs="+", default=["lru", "lfu", "window:64"])
+    parser.add_argument("--policies", nargs="+", default=["lru", "lfu"])
     parser.add_argument("--thresholds", nargs="+", type=float, default=[0.02, 0.05, 0.1])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--work-dir", default="~/.cache/moeswap/offload")
+    parser.add_argument("-o", "--output", help="profile mode: the profile .json to write")
     parser.add_argument("--markdown", help="write the table here too")
     args = parser.parse_args()
-    run = Path(args.run)
-    path = quantized_model(run, Path(args.work_dir).expanduser())
-    windows = held_out_windows(run, args.windows, args.length)
-    lines = (table if args.mode == "table" else threshold)(args, path, windows)
+    if args.mode == "profile" and not args.output:
+        parser.error("profile mode needs -o PROFILE.json")
+    modes = {"profile": profile, "table": table, "threshold": threshold}
+    lines = modes[args.mode](args, Path(args.model))
     print("\n".join(lines))
     if args.markdown:
         Path(args.markdown).write_text("\n".join(lines) + "\n")
