@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,8 +13,12 @@ import pytest
 from moeswap.experts.policies import (
     ARC, LFU, LFUDA, LRU, S3FIFO, AdmitAfter, Belady, LearnedReuse, Pinned, ReuseTable, SlidingWindow,
 )
-from moeswap.routing.profile import learn_reuse_table, use_bucket
+from moeswap.routing.importers import import_trace
+from moeswap.routing.profile import build_profile, learn_reuse_table, use_bucket
+from moeswap.routing.simulate import simulate
 from moeswap.routing.traces import RoutingTrace
+
+SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
 
 
 def replay(policy, keys):
@@ -127,6 +133,22 @@ def test_learned_table_pools_use_counts_and_decides_the_eviction():
     policy = LearnedReuse(2, table, k=1)
     assert [policy.access(key).evicted for key in [a, a, b, a, c, a]] == [None, None, None, None, a, c]
     assert policy.resident() == {a, b}
+
+
+@pytest.mark.skipif(not (SHARED_TRACES / "switch-base-8").is_dir(),
+                    reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
+@pytest.mark.parametrize("scored, learned_on", [((0, 1, 2, 3, 4), (5, 6, 7, 8, 9)),
+                                                ((5, 6, 7, 8, 9), (0, 1, 2, 3, 4))])
+def test_learned_policy_beats_lru_above_k_on_the_other_switch_half(scored, learned_on):
+    switch = import_trace(SHARED_TRACES / "switch-base-8" / "router-trace.v2.json")
+    table = build_profile(switch.select_prompts(list(learned_on)), 0, per_layer=True).reuse
+    score = switch.select_prompts(list(scored))
+    learned = lambda ctx: LearnedReuse(ctx.capacity, table, ctx.k)  # noqa: E731
+    lru = lambda ctx: LRU(ctx.capacity)  # noqa: E731
+    for capacity in range(score.k + 1, 7):  # the table: 1-6 (at 7 of 8, docs/TRACES.md)
+        hits = {name: int(simulate(score, name, factory, capacity, "per-layer").hits.sum())
+                for name, factory in (("lru", lru), ("learned", learned))}
+        assert hits["learned"] > hits["lru"], capacity
 
 
 def optimal_hits(keys: tuple, capacity: int) -> int:

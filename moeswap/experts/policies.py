@@ -427,7 +427,8 @@ class ReuseTable:
 
     ``expected_gap[a, f]``: ``a`` indexes ``age_edges`` (the first edge >= tokens since the
     last use), ``f`` is the number of uses in the last ``window`` tokens. Learned from a
-    trace by ``moeswap.routing.profile.learn_reuse_table``.
+    trace by ``moeswap.routing.profile.learn_reuse_table``, which pools counts into doubling
+    buckets, so neighbouring columns may repeat.
     """
 
     age_edges: tuple[int, ...]  # upper bounds of the age buckets, in tokens; the last one is open
