@@ -11,7 +11,7 @@ import sys
 
 from moeswap.errors import MoeswapError
 
-COMMAND_MODULES = ("gguf_commands", "trace_commands", "run_commands", "convert_commands", "probe_commands", "serve_commands", "plan_commands",)
+COMMAND_MODULES = ("gguf_commands", "trace_commands", "run_commands", "convert_commands", "probe_commands", "serve_commands", "plan_commands", "bench_commands",)
 
 
 def build_parser() -> argparse.ArgumentParser:

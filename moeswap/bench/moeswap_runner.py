@@ -1,0 +1,117 @@
+"""A run of moeswap inside a worker: load with the run's offload flags, time the scenario,
+read the expert store's counters."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import torch
+
+from moeswap.bench.memory import MemoryTrace
+from moeswap.bench.scenarios import RunSpec
+from moeswap.bench.timing import figures, run_sequential
+from moeswap.errors import MoeswapError
+
+
+class MoeswapSession:
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+
+    def reset(self) -> None:
+        self.cache = self.model.new_cache()
+
+    def feed(self, ids: list[int]) -> int:
+        logits = self.model.forward([torch.tensor(ids, dtype=torch.long)], [self.cache])[0]  # [T, V]
+        return int(torch.argmax(logits[-1]))
+
+
+def run(spec: RunSpec) -> dict:
+    import moeswap
+    from moeswap.cli.offload_args import store_factory
+
+    memory = MemoryTrace()
+    memory.sample("start")
+    experts = None
+    if spec.offload is not None:  # every sequence's KV cache is charged to the host budget
+        flags = SimpleNamespace(threads=spec.threads, **spec.offload)
+        experts = store_factory(flags, spec.n_ctx * len(spec.prompts))
+    began = time.perf_counter()
+    runtime = moeswap.load(spec.model, threads=spec.threads, expert_runner=experts,
+                           replay_routing=spec.replay_routing)
+    load_s = time.perf_counter() - began
+    if experts is not None:
+        memory.stats = runtime.stats
+    memory.sample("load")
+    before = runtime.stats()
+    if spec.batched:
+        timing = run_batched(runtime.model, spec, memory)
+    else:
+        timing = run_sequential(MoeswapSession(runtime.model), spec, memory)
+    return {"load_s": load_s, **timing, **store_figures(before, runtime.stats()),
+            **memory.peaks(), "memory_trace": memory.samples}
+
+
+def store_figures(before: dict, after: dict) -> dict:
+    """Hit rate and bytes moved during the timed part (the store's counters, less load's)."""
+    if not after:
+        return {"hit_rate": None, "bytes_moved": None, "store": None}
+    was, now = before["total"], after["total"]
+    moved = {k: now[k] - was[k] for k in now if k != "hit_rate"}
+    hits = moved["device_hits"] + moved["host_hits"]
+    return {"hit_rate": hits / moved["requests"] if moved["requests"] else None,
+            "bytes_moved": moved["disk_bytes"] + moved["transfer_bytes"], "store": moved}
+
+
+def run_batched(model, spec: RunSpec, memory: MemoryTrace) -> dict:
+    """All prompts submitted at once to the server's scheduler (moeswap.server.batching); one
+    memory sample per batch step. Prompt time: until every request has its first token;
+    decode time: from then to the last token."""
+    from moeswap.sampling import GREEDY, Sampler
+    from moeswap.server.batching import BatchOptions, BatchScheduler
+
+    n = len(spec.prompts)
+    scheduler = BatchScheduler(model, BatchOptions(max_batch=n, queue_size=n, ctx=spec.n_ctx))
+    arrivals: list[list[float]] = [[] for _ in range(n)]
+    outputs: list[list[int]] = [[] for _ in range(n)]
+    errors: list[str] = []
+    ended = threading.Semaphore(0)
+    sampled_step = [-1]
+
+    def listener(i: int):
+        def on_event(event) -> None:  # called on the batching thread, between steps
+            if event.token is not None:
+                arrivals[i].append(time.perf_counter())
+                outputs[i].append(event.token)
+                if scheduler.counters.steps != sampled_step[0]:
+                    sampled_step[0] = scheduler.counters.steps
+                    memory.sample("batch step")
+                return
+            if event.error:
+                errors.append(event.error)
+            ended.release()
+        return on_event
+
+    def submit_all() -> None:  # under the model lock: the requests queue before a step runs
+        for i, prompt in enumerate(spec.prompts):
+            scheduler.submit(prompt, max_tokens=spec.gen_tokens, sampler=Sampler(GREEDY),
+                             stop_ids=frozenset(), on_event=listener(i))
+
+    scheduler.start()
+    try:
+        start = time.perf_counter()
+        scheduler.read_model(submit_all)
+        for _ in range(n):
+            ended.acquire()
+        end = time.perf_counter()
+    finally:
+        scheduler.stop()
+    if errors:
+        raise MoeswapError(errors[0])
+    prefill_end = max(times[0] for times in arrivals)
+    return figures(prompt_tokens=sum(map(len, spec.prompts)), prompt_s=prefill_end - start,
+                   decode_tokens=sum(t > prefill_end for times in arrivals for t in times),
+                   decode_s=end - prefill_end, first_tokens=[t[0] - start for t in arrivals],
+                   wall_s=end - start, outputs=outputs)

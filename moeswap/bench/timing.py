@@ -1,0 +1,60 @@
+"""One timing loop for both engines' sequential runs, and the figures every run reports.
+
+Each prompt is fed in ``prefill_chunk``-token pieces (both engines the same), then greedy
+single-token steps. Times cover the engine's work only; the memory samples between steps
+are outside them. Time to first token counts from the scenario's start, so for several
+prompts run one after another it includes the wait for the earlier ones.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from moeswap.bench.memory import MemoryTrace
+from moeswap.bench.scenarios import RunSpec
+
+
+class Session(Protocol):
+    def reset(self) -> None:
+        """Start a fresh sequence (empty KV cache)."""
+
+    def feed(self, ids: list[int]) -> int:
+        """Evaluate ``ids`` after what was fed before -> the greedy next token."""
+
+
+def run_sequential(session: Session, spec: RunSpec, memory: MemoryTrace) -> dict:
+    start = time.perf_counter()
+    prompt_s = decode_s = 0.0
+    first_tokens, outputs = [], []
+    for prompt in spec.prompts:
+        session.reset()
+        for at in range(0, len(prompt), spec.prefill_chunk):
+            began = time.perf_counter()
+            token = session.feed(prompt[at: at + spec.prefill_chunk])
+            prompt_s += time.perf_counter() - began
+            memory.sample("prefill")
+        first_tokens.append(time.perf_counter() - start)
+        tokens = [token]
+        for _ in range(spec.gen_tokens - 1):  # the last token needs no forward
+            began = time.perf_counter()
+            token = session.feed([token])
+            decode_s += time.perf_counter() - began
+            tokens.append(token)
+            memory.sample("decode")
+        outputs.append(tokens)
+    return figures(prompt_tokens=sum(map(len, spec.prompts)), prompt_s=prompt_s,
+                   decode_tokens=sum(len(t) - 1 for t in outputs), decode_s=decode_s,
+                   first_tokens=first_tokens, wall_s=time.perf_counter() - start, outputs=outputs)
+
+
+def figures(*, prompt_tokens: int, prompt_s: float, decode_tokens: int, decode_s: float,
+            first_tokens: list[float], wall_s: float, outputs: list[list[int]]) -> dict:
+    generated = sum(map(len, outputs))
+    return {"prompt_tokens": prompt_tokens, "prompt_s": prompt_s,
+            "prompt_tok_s": prompt_tokens / prompt_s if prompt_s else None,
+            "decode_tokens": decode_tokens, "decode_s": decode_s,
+            "decode_tok_s": decode_tokens / decode_s if decode_s else None,
+            "ttft_s": sum(first_tokens) / len(first_tokens), "ttft_max_s": max(first_tokens),
+            "generated_tokens": generated, "wall_s": wall_s,
+            "throughput_tok_s": generated / wall_s if wall_s else None, "outputs": outputs}

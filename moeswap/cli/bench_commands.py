@@ -1,0 +1,101 @@
+"""`moeswap bench`: the benchmark's scenarios, moeswap beside llama.cpp (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from moeswap.bench.scenarios import SCENARIOS
+from moeswap.cli.offload_args import add_offload_arguments
+from moeswap.errors import MoeswapError
+
+INPUTS = Path(__file__).resolve().parents[2] / "bench"  # the repository's bench/ folder
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark scenarios, each run in its own process; "
+                                            "JSON, markdown and plots")
+    p.add_argument("model", nargs="?", help="a .gguf MoE file (default: the built-in model)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated, from {', '.join(SCENARIOS)} (all)")
+    p.add_argument("--compare", choices=["llama.cpp"],
+                   help="also run llama.cpp (llama-cpp-python) on the same file and threads")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="where report.json, report.md, the plots and each run's raw result go")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="threads for both engines (default: all cores)")
+    p.add_argument("--size", choices=["full", "smoke"], default="full",
+                   help="full: 8192-token long context, 32 new tokens; smoke: a few tokens of "
+                        "each, for a quick check (full)")
+    p.add_argument("--long-context", type=int, metavar="N",
+                   help="positions of the long scenario, prompt + generated (size's default)")
+    p.add_argument("--gen-tokens", type=int, metavar="N",
+                   help="tokens generated per prompt (size's default)")
+    p.add_argument("--windows", default="8,32,128", help="window-sweep's N (8,32,128)")
+    p.add_argument("--resident", default="0,4,8,16",
+                   help="resident-sweep's experts per MoE layer (0,4,8,16)")
+    p.add_argument("--inputs", default=str(INPUTS), metavar="DIR",
+                   help="the scenario texts (default: the repository's bench/)")
+    p.add_argument("--timeout", type=float, default=900, metavar="S",
+                   help="a run still going after S seconds is stopped and recorded (900)")
+    add_offload_arguments(p)
+    p.epilog = ("--host-mem sets the budget of the long, batch8, conflict and window-sweep runs "
+                "(default: a quarter of each layer's experts); resident-sweep sets its own.")
+    p.set_defaults(handler=run_bench_command)
+
+
+def int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise MoeswapError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
+
+
+def offload_flags(args) -> dict:
+    """The values of every offload flag (whatever add_offload_arguments defines)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_offload_arguments(probe)
+    return {name: getattr(args, name) for name in vars(probe.parse_args([]))}
+
+
+def run_bench_command(args) -> int:
+    from dataclasses import replace
+
+    from rich.console import Console
+
+    import moeswap
+    from moeswap.bench.scenarios import ENGINES, SIZES, Plan
+    from moeswap.bench.suite import run_bench
+
+    scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
+    unknown = [s for s in scenarios if s not in SCENARIOS]
+    if unknown or not scenarios:
+        raise MoeswapError(f"unknown scenario {unknown[0] if unknown else '(none)'!r}; choose "
+                           f"from {', '.join(SCENARIOS)}")
+    sizes = SIZES[args.size]
+    if args.long_context is not None:
+        sizes = replace(sizes, long_context=args.long_context)
+    if args.gen_tokens is not None:
+        sizes = replace(sizes, gen_tokens=args.gen_tokens)
+    if sizes.gen_tokens < 1 or sizes.long_context <= sizes.gen_tokens:
+        raise MoeswapError("--gen-tokens must be >= 1 and below --long-context")
+    model = args.model or moeswap.DEFAULT_MODEL
+    if not Path(model).is_file():
+        raise MoeswapError(f"{model}: no such file; give a .gguf MoE model")
+    plan = Plan(model=str(model), scenarios=scenarios, sizes=sizes, threads=args.threads,
+                offload=offload_flags(args),
+                compare=ENGINES if args.compare else ("moeswap",),
+                windows=int_list(args.windows, "--windows"),
+                resident=int_list(args.resident, "--resident"))
+    out = Path(args.output)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    command = shlex.join(["moeswap", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else \
+        "moeswap bench (called from Python)"
+    report = run_bench(plan, Path(args.inputs), out, args.timeout, command, console)
+    failed = sum(r["status"] != "ok" for r in report["runs"])
+    console.print(f"{len(report['runs'])} runs, {failed} failed: {out / 'report.md'}, "
+                  f"{out / 'report.json'}", markup=False)
+    return 0

@@ -1,0 +1,101 @@
+"""`moeswap bench` end to end on a tiny Mixtral-layout Q8_0 model at smoke size: every scenario
+runs in worker processes, each run either finishes with its figures or records its failure
+(one is injected: `--windows 0` names a policy the store refuses), and the JSON, markdown and
+PNG plots are written. The llama.cpp side runs where llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+from moeswap.cli import main
+from moeswap.gguf_tools.convert import convert
+
+OK_FIELDS = ("prompt_tok_s", "decode_tok_s", "ttft_s", "throughput_tok_s", "peak_anon_bytes",
+             "peak_rss_bytes", "tok_s_per_gb", "load_s", "outputs", "memory_trace")
+GEN = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench")
+    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+def bench(path, out, *flags) -> dict:
+    code = main(["bench", str(path), "--size", "smoke", "--gen-tokens", str(GEN),
+                 "--threads", "1", "-o", str(out), *flags])
+    assert code == 0
+    return json.loads((out / "report.json").read_text())
+
+
+def test_every_scenario_finishes_or_records_its_failure(tiny_gguf, tmp_path):
+    # conflict is left out to save time: it runs as long does, on another prompt
+    report = bench(tiny_gguf, tmp_path, "--scenarios", "long,batch8,window-sweep,resident-sweep",
+                   "--windows", "0", "--resident", "0")
+    runs = report["runs"]
+    assert [(r["scenario"], r["label"]) for r in runs] == [
+        ("long", "moeswap all resident"), ("long", "moeswap lru, host 2 experts/layer"),
+        ("batch8", "moeswap all resident"), ("batch8", "moeswap lru, host 2 experts/layer"),
+        ("window-sweep", "moeswap window:0, host 2 experts/layer"),
+        ("resident-sweep", "moeswap lru, 0 resident/layer"),
+        ("resident-sweep", "moeswap all resident")]
+
+    failed = [r for r in runs if r["status"] != "ok"]
+    assert [(r["label"], r["failure"]) for r in failed] == [
+        ("moeswap window:0, host 2 experts/layer", "error")]
+    assert "unknown policy 'window:0'" in failed[0]["error"]
+
+    for run in runs:
+        if run["status"] != "ok":
+            continue
+        assert all(run[f] is not None for f in OK_FIELDS), run["label"]
+        assert [len(tokens) for tokens in run["outputs"]] == [GEN] * len(run["prompt_lengths"])
+        if run["offload"] is None:
+            assert run["hit_rate"] is None and run["peak_tier_bytes"] is None
+            continue
+        assert 0.0 <= run["hit_rate"] <= 1.0 and run["bytes_moved"] > 0
+        assert run["peak_tier_bytes"]["host"] <= run["budget_bytes"]
+        assert all("tiers" in s for s in run["memory_trace"][2:])  # every step after load
+
+    by_key = {(r["scenario"], r["label"]): r for r in runs}
+    # The store is exact: the same greedy tokens as all resident, alone and batched.
+    for scenario in ("long", "batch8"):
+        assert by_key[(scenario, "moeswap lru, host 2 experts/layer")]["outputs"] == \
+            by_key[(scenario, "moeswap all resident")]["outputs"]
+    # No resident experts: nothing is a hit; every pick is read from the file.
+    assert by_key[("resident-sweep", "moeswap lru, 0 resident/layer")]["hit_rate"] == 0.0
+    # One memory sample at start, after load, per prompt piece and per decode step.
+    long = by_key[("long", "moeswap all resident")]
+    assert [s["step"] for s in long["memory_trace"]] == \
+        ["start", "load", "prefill"] + ["decode"] * (GEN - 1)
+
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| moeswap window:0, host 2 experts/layer |" in markdown and "FAILED (error)" in markdown
+    for name in ("tokens-vs-budget", "memory-long", "memory-batch8", "memory-resident-sweep"):
+        assert (tmp_path / f"bench-{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_scenario_is_one_line_error(tiny_gguf, tmp_path, capsys):
+    assert main(["bench", str(tiny_gguf), "--scenarios", "long,nope", "-o", str(tmp_path)]) == 2
+    assert "unknown scenario 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_beside_moeswap(tiny_gguf, tmp_path):
+    pytest.importorskip("llama_cpp", reason="the llama.cpp side needs llama-cpp-python")
+    report = bench(tiny_gguf, tmp_path, "--scenarios", "conflict", "--compare", "llama.cpp")
+    runs = {r["label"]: r for r in report["runs"]}
+    assert list(runs) == ["moeswap all resident", "moeswap lru, host 2 experts/layer",
+                          "llama.cpp all in RAM (no mmap)", "llama.cpp mmap (page cache)"]
+    assert all(r["status"] == "ok" for r in runs.values()), [r.get("error") for r in runs.values()]
+    llama = runs["llama.cpp all in RAM (no mmap)"]
+    assert llama["budget_bytes"] is None and llama["hit_rate"] is None
+    # Mapped or read into RAM, llama.cpp computes the same tokens.
+    assert llama["outputs"] == runs["llama.cpp mmap (page cache)"]["outputs"]
+    markdown = (tmp_path / "report.md").read_text()
+    assert "none: llama.cpp takes no RAM budget" in markdown
+    assert "moeswap / llama.cpp (all in RAM):" in markdown
