@@ -149,10 +149,10 @@ def learn_reuse_table(trace: RoutingTrace, window: int = REUSE_WINDOW, horizon: 
     """Mean tokens until the next use of an expert, by its age and its uses in the last ``window`` tokens.
 
     Sampled at every recorded token of every layer, for every expert that layer used before.
-    Use counts are pooled in doubling buckets (``use_bucket``): one column per count would
-    leave most cells of a long window with too few samples, and a cell that falls back to
-    its age bucket's mean forgets how often the expert was used. The table still has one
-    column per count (pooled columns repeat), so the policy reads it unchanged.
+    Use counts are pooled in doubling buckets (``use_bucket``) so that each mean averages
+    more samples: the cells an eviction compares (a busy expert idle for a while) are rare
+    combinations. The table still has one column per count (pooled columns repeat), so the
+    policy reads it unchanged.
     """
     sums = np.zeros((len(AGE_EDGES), window + 1))
     samples = np.zeros_like(sums)
