@@ -4,8 +4,12 @@ Measured: cold reads of a scratch file (written, synced, dropped from the page c
 ``posix_fadvise DONTNEED``, then read with ``pread``), a one-token Q8_0 product through the CPU
 kernels (bytes of weights per second), and the link: a RAM copy on a CPU-only machine; with
 CUDA, a pinned host-to-device copy, and the device tier's own product for ``device_compute``.
+For the planner, also the fixed costs those rates miss (``Overheads``): the seconds of one cold
+read at each of a ladder of sizes (as the expert store reads an expert piece: ``preadv``, then
+``DONTNEED``), and of one tiny expert product as the store issues it.
 The result is cached as JSON (default ``~/.cache/moeswap/probe.json``) keyed by host name and
-thread count, and reused until ``refresh`` is asked for.
+thread count, and reused until ``refresh`` is asked for; an entry without the overheads (written
+before they were measured) gets them measured and added.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +33,17 @@ from moeswap.quant import CpuKernels, quantize_rows
 
 DEFAULT_CACHE = Path.home() / ".cache" / "moeswap" / "probe.json"
 _SIZE = 64 << 20  # bytes per measurement: large enough to leave the CPU caches
+READ_SIZES = tuple(4096 << 2 * i for i in range(7))  # 4 KiB to 16 MiB, x4 apart
+_READS_PER_SIZE = 64  # at most; fewer where they would cover more than the scratch file
+OVERHEAD_KEYS = ("read_seconds", "expert_call")
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed costs the bandwidths miss."""
+
+    read_seconds: tuple[tuple[int, float], ...]  # (bytes, seconds of one cold read), ascending
+    expert_call: float  # seconds of one tiny expert product as the store issues it
 
 
 def _best_seconds(action, repeats: int = 5) -> float:
@@ -56,6 +72,62 @@ def measure_disk_read(folder: str | os.PathLike | None = None) -> float:
                 done += os.preadv(f.fileno(), [view[done:]], done)
 
         return _SIZE / _best_seconds(read, 3)
+
+
+def measure_read_seconds(folder: str | os.PathLike | None = None) -> tuple[tuple[int, float], ...]:
+    """Seconds of one cold read at each of READ_SIZES, read as ``DiskReader`` reads an expert
+    piece: ``preadv`` at a random aligned offset, then ``DONTNEED`` on that range. The mean
+    over the reads of a size, the better of two rounds."""
+    rng = np.random.default_rng(0)
+    target = np.empty(READ_SIZES[-1], dtype=np.uint8)
+    with tempfile.NamedTemporaryFile(dir=folder) as f:
+        f.write(rng.integers(0, 256, _SIZE, dtype=np.uint8).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+        result = []
+        for size in READ_SIZES:
+            n_reads = min(_READS_PER_SIZE, _SIZE // size)
+            read = partial(_cold_reads, f.fileno(), memoryview(target)[:size], n_reads, rng)
+            result.append((size, _best_seconds(read, 2) / n_reads))
+    return tuple(result)
+
+
+def _cold_reads(fd: int, view: memoryview, n_reads: int, rng: np.random.Generator) -> None:
+    size = len(view)
+    cold = hasattr(os, "posix_fadvise")
+    if cold:
+        os.posix_fadvise(fd, 0, _SIZE, os.POSIX_FADV_DONTNEED)
+    for offset in rng.choice(_SIZE // size, n_reads, replace=False) * size:
+        done = 0
+        while done < size:
+            done += os.preadv(fd, [view[done:]], int(offset) + done)
+        if cold:
+            os.posix_fadvise(fd, int(offset), size, os.POSIX_FADV_DONTNEED)
+
+
+def measure_expert_call(kernels: CpuKernels) -> float:
+    """Seconds of one product of a tiny one-expert Q8_0 stack (64 x 64: its bytes cost nothing)
+    for one token, with the row gather and scatter around it, as ``ExpertStore`` issues each."""
+    width = 64
+    raw = quantize_rows(np.random.default_rng(0).standard_normal((width, width), dtype=np.float32),
+                        GGMLQuantizationType.Q8_0)
+    stack = kernels.experts(raw, GGMLQuantizationType.Q8_0, (width, width, 1), "probe")
+    x, out = torch.ones(2, width), torch.zeros(2, width)  # [tokens, D]
+    picks = torch.tensor([1])
+
+    def call():
+        rows = x[picks // 1]  # [M, D]
+        zeros = torch.zeros(rows.shape[0], 1, dtype=torch.int32)
+        out[picks] = stack.matmul(rows, zeros)[:, 0]
+
+    call()
+    repeats = 200
+    return _best_seconds(lambda: [call() for _ in range(repeats)], 5) / repeats
+
+
+def measure_overheads(threads: int | None = None,
+                      folder: str | os.PathLike | None = None) -> Overheads:
+    return Overheads(measure_read_seconds(folder), measure_expert_call(CpuKernels(threads)))
 
 
 def measure_ram_copy() -> float:
@@ -120,11 +192,22 @@ def _entries(cache: Path) -> dict[str, dict]:
     if not isinstance(entries, dict):
         raise _damaged(cache, "not a JSON object")
     for key, rates in entries.items():
-        if not isinstance(rates, dict) or set(rates) != names:
-            raise _damaged(cache, f"entry {key!r} does not hold exactly {sorted(names)}")
-        if not all(isinstance(v, (int, float)) and v > 0 for v in rates.values()):
+        if not isinstance(rates, dict) or set(rates) not in (names, names | set(OVERHEAD_KEYS)):
+            raise _damaged(cache, f"entry {key!r} does not hold exactly {sorted(names)} "
+                                  f"(and perhaps {list(OVERHEAD_KEYS)})")
+        if not all(_positive(rates[name]) for name in names):
             raise _damaged(cache, f"entry {key!r} has a rate that is not a positive number")
+        if "expert_call" in rates and not (
+                _positive(rates["expert_call"]) and isinstance(rates["read_seconds"], list)
+                and rates["read_seconds"]
+                and all(isinstance(p, list) and len(p) == 2 and all(map(_positive, p))
+                        for p in rates["read_seconds"])):
+            raise _damaged(cache, f"entry {key!r} has overheads that are not positive numbers")
     return entries
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _damaged(cache: Path, why: str) -> MoeswapError:
@@ -138,7 +221,20 @@ def read_cache(cache: Path = DEFAULT_CACHE) -> dict[tuple[str, str], Rates]:
     result = {}
     for key, rates in _entries(cache).items():
         host, _, threads = key.rpartition(" threads=")
-        result[host, threads] = Rates(**rates)
+        result[host, threads] = Rates(**{f.name: rates[f.name] for f in fields(Rates)})
+    return result
+
+
+def read_overheads(cache: Path = DEFAULT_CACHE) -> dict[tuple[str, str], Overheads]:
+    """The cached overheads by (host name, thread count or "all"), where measured. Never
+    measures."""
+    result = {}
+    for key, entry in _entries(cache).items():
+        if "expert_call" in entry:
+            host, _, threads = key.rpartition(" threads=")
+            result[host, threads] = Overheads(
+                tuple((int(size), float(seconds)) for size, seconds in entry["read_seconds"]),
+                entry["expert_call"])
     return result
 
 
@@ -153,8 +249,13 @@ def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
             raise
         entries = {}
     key = _key(threads)
+    folder = cache.parent if cache.parent.exists() else None
     if refresh or key not in entries:
-        entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None))
+        entries[key] = asdict(probe(threads, folder))
+    if "expert_call" not in entries[key]:
+        overheads = measure_overheads(threads, folder)
+        entries[key].update(read_seconds=[list(p) for p in overheads.read_seconds],
+                            expert_call=overheads.expert_call)
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(entries, indent=1))
-    return Rates(**entries[key])
+    return Rates(**{f.name: entries[key][f.name] for f in fields(Rates)})

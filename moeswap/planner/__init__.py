@@ -18,6 +18,7 @@ from moeswap.planner.placement import Budget, Plan, make_plan
 from moeswap.planner.rates import PlanRates
 from moeswap.planner.sizes import F16_BYTES, model_sizes
 from moeswap.routing.profile import Profile
+from moeswap.routing.traces import RoutingTrace
 
 
 @dataclass(frozen=True)
@@ -31,25 +32,35 @@ class FullPlan:
 
 def plan_model(path: str | Path, budget: Budget, rates: PlanRates, profile_path: str | None = None,
                gpus: int = 0, gpu_bytes: int = 0) -> FullPlan:
-    profile = Profile.load(profile_path) if profile_path else None
+    """``profile_path``: a profile (.json: its hot set pinned) or a routing trace (.npz: the
+    store's default LRU replayed over it; llama.cpp's plan then has no profile)."""
+    profile = trace = None
+    if profile_path and is_trace(profile_path):
+        trace = RoutingTrace.load(profile_path)
+    elif profile_path:
+        profile = Profile.load(profile_path)
     gf = GGUFFile.open(path)
     try:
         sizes = model_sizes(gf)
     finally:
         gf.close()
-    plan = make_plan(sizes, budget, rates, profile)
+    plan = make_plan(sizes, budget, rates, profile, trace)
     multi = plan_multi_gpu(sizes, budget, gpus, gpu_bytes) if gpus > 1 else None
     return FullPlan(plan, plan_llama_cpp(sizes, budget, rates, profile),
                     ollama_modelfile(sizes, budget), multi, profile_path)
 
 
+def is_trace(path: str | Path) -> bool:
+    return str(path).endswith(".npz")
+
+
 def moeswap_command(full: FullPlan) -> list[str]:
-    """``moeswap run`` with the plan's budgets (and the profile's hot set pinned)."""
+    """``moeswap run`` with the plan's budgets (and a profile's hot set pinned)."""
     p = full.moeswap
     args = ["moeswap", "run", p.sizes.path, "-p", "PROMPT", "--host-mem", str(p.budget.host_bytes)]
     if p.device_slots:
         args += ["--device-mem", str(p.budget.device_bytes)]
-    if full.profile_path:
+    if full.profile_path and not is_trace(full.profile_path):
         args += ["--policy", f"pinned:{full.profile_path}"]
     return args
 

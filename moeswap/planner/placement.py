@@ -17,8 +17,10 @@ import numpy as np
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import TOKENS_PER_READ
 from moeswap.planner.rates import PlanRates
+from moeswap.planner.replayed import check_trace, lru_hit_rate
 from moeswap.planner.sizes import ModelSizes
 from moeswap.routing.profile import Profile
+from moeswap.routing.traces import RoutingTrace
 
 PREFILL_PIECE = 32  # tokens per kernel call (moeswap.quant.kernels.MAX_TOKENS_PER_CALL)
 Q4_K_M_BITS = 4.85  # bits per weight of a typical Q4_K_M file, for the "lower-bit quant" advice
@@ -146,15 +148,35 @@ def check_profile(sizes: ModelSizes, profile: Profile) -> None:
     profile.check_fits(sizes.moe_layers, sizes.n_expert, str(sizes.path))
 
 
-def step_seconds(sizes: ModelSizes, hits: HitRates, rates, n_tokens: int, context: int,
-                 sequences: int) -> float:
+def replayed_hits(sizes: ModelSizes, device_slots: int, host_slots: int,
+                  trace: RoutingTrace) -> tuple[HitRates, dict[int, int]]:
+    """The store's LRU replayed over a recorded trace (``planner.replayed``). The device tier's
+    share of the hits is its share of the slots; residency per layer changes as the LRU runs,
+    so the table shows the slots spread evenly."""
+    name = trace.source or "the trace"
+    check_trace(sizes, trace, name)
+    layers = sizes.moe_layers
+    slots = min(device_slots + host_slots, sizes.n_expert * len(layers))
+    per_layer = {layer: slots // len(layers) + (i < slots % len(layers))
+                 for i, layer in enumerate(layers)}
+    rate, requests = lru_hit_rate(trace, slots)
+    device = rate * min(device_slots, slots) / slots if slots else 0.0
+    return HitRates(device, rate - device, f"{name}: the store's LRU replayed over its "
+                                           f"{requests} decode requests"), per_layer
+
+
+def step_seconds(sizes: ModelSizes, hits: HitRates, plan_rates: PlanRates, n_tokens: int,
+                 context: int, sequences: int) -> float:
     """Seconds of one forward step over ``n_tokens`` tokens with ``sequences`` caches of
-    ``context`` positions: every read's bytes over its tier's rate.
+    ``context`` positions: every read's bytes over its tier's rate, plus fixed costs.
 
     A product reads its weights once per TOKENS_PER_READ tokens (experts/cost.py). Of a
     layer's E experts, T tokens picking k each use E(1 - (1 - k/E)^T) distinct ones; a miss is
-    read from the file and computed where it lies (the cost model's choice on a CPU). Fixed
-    per-block and per-product costs are added: on a small model they dominate."""
+    read from the file, one cold read per piece as the store reads it (the probe's time for a
+    read of that size), and computed where it lies (the cost model's choice on a CPU). Each
+    expert costs its products' fixed call time (the probe's); each block LAYER_STEP_SECONDS:
+    on a small model the fixed costs dominate."""
+    rates = plan_rates.rates
     reads = math.ceil(n_tokens / TOKENS_PER_READ)
     seconds = sizes.active_shared_bytes * reads / rates.host_compute
     seconds += sizes.config.n_layer * LAYER_STEP_SECONDS
@@ -163,17 +185,20 @@ def step_seconds(sizes: ModelSizes, hits: HitRates, rates, n_tokens: int, contex
         distinct = n * (1 - (1 - k / n) ** n_tokens)
         expert_reads = math.ceil(n_tokens * k / distinct / TOKENS_PER_READ)
         miss = max(1.0 - hits.total, 0.0)
-        for size in sizes.expert_bytes_by_layer.values():
+        for layer, size in sizes.expert_bytes_by_layer.items():
             compute = (hits.device / rates.device_compute
                        + (hits.host + miss) / rates.host_compute) * expert_reads
-            seconds += distinct * (size * (compute + miss / rates.disk_read)
-                                   + 2 * EXPERT_CALL_SECONDS)
+            read = sum(map(plan_rates.read_seconds, sizes.expert_pieces_by_layer[layer]))
+            calls = sizes.expert_products_by_layer[layer] * plan_rates.overheads.expert_call
+            seconds += distinct * (size * compute + miss * read + calls)
     seconds += sizes.kv_bytes(context, 4, sequences) / rates.host_compute  # attention reads the cache
     return seconds
 
 
 def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
-              profile: Profile | None = None) -> Plan:
+              profile: Profile | None = None, trace: RoutingTrace | None = None) -> Plan:
+    """``profile``: the slots hold its hot set (``--policy pinned``); ``trace``: the store's LRU
+    replayed over it (wins over ``profile`` for the hit rate); neither: uniform routing."""
     if budget.context < 1 or budget.batch < 1:
         raise MoeswapError(f"--ctx and --batch must be at least 1 (got {budget.context}, "
                            f"{budget.batch})")
@@ -186,11 +211,14 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
     all_experts = sizes.n_expert * len(sizes.moe_layers)
     device_slots = min(budget.device_bytes // sizes.slot_bytes, all_experts)
     host_slots = min((budget.host_bytes - charged) // sizes.slot_bytes, all_experts - device_slots)
-    hits, per_layer = expected_hits(sizes, device_slots, host_slots, profile)
-    r = rates.rates
-    decode = budget.batch / step_seconds(sizes, hits, r, budget.batch, budget.context, budget.batch)
+    if trace is not None:
+        hits, per_layer = replayed_hits(sizes, device_slots, host_slots, trace)
+    else:
+        hits, per_layer = expected_hits(sizes, device_slots, host_slots, profile)
+    decode = budget.batch / step_seconds(sizes, hits, rates, budget.batch, budget.context,
+                                         budget.batch)
     piece = min(PREFILL_PIECE, budget.context)
-    prefill = piece / step_seconds(sizes, hits, r, piece, 0, 1)
+    prefill = piece / step_seconds(sizes, hits, rates, piece, 0, 1)
     return Plan(sizes, budget, rates, kv, staging, device_slots, host_slots, per_layer, hits,
                 decode, prefill)
 
