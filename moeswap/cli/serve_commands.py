@@ -55,14 +55,17 @@ def run_serve(args) -> int:
 
     import uvicorn
 
+    from moeswap.server.activity import ExpertActivity
     from moeswap.server.app import ServerOptions, create_app
     from moeswap.server.batching import BatchOptions
 
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
                             ctx_policy=args.ctx_policy, api_key=args.api_key)
-    runtime = _load(args, args.ctx * args.max_batch)  # every batch slot may fill its context
-    uvicorn.run(create_app(runtime, options), host=args.host, port=args.port, log_level="info")
+    activity = ExpertActivity()  # the web page's expert grid: which experts each step used
+    runtime = _load(args, args.ctx * args.max_batch, activity)  # every slot may fill its context
+    uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
+                log_level="info")
     return 0
 
 

@@ -1,16 +1,20 @@
 """The OpenAI-compatible HTTP API over a loaded model: ``create_app(runtime, ...)``.
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions and
-/v1/chat/completions (``"stream": true`` sends OpenAI's SSE chunks, then ``data: [DONE]``).
-Every error a client can cause is a 4xx with OpenAI's body
+/v1/chat/completions (``"stream": true`` sends OpenAI's SSE chunks, then ``data: [DONE]``),
+GET /v1/moeswap/experts (the expert cache, moeswap.server.activity), and the web page: GET /
+with /page.js and /page.css (package data in moeswap/server/web/, no build step, nothing
+fetched from elsewhere). Every error a client can cause is a 4xx with OpenAI's body
 ``{"error": {"message", "type", "param", "code"}}``. With an API key, every route but /health
-needs ``Authorization: Bearer KEY``, compared in constant time.
+and the page's three files needs ``Authorization: Bearer KEY``, compared in constant time; the
+page holds no data and sends the key the user types.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.resources
 import json
 import time
 import uuid
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -28,13 +32,19 @@ from moeswap.chat_template import ChatTemplateError
 from moeswap.context_window import POLICIES, ContextOverflow, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
 from moeswap.sampling import SamplingParams
+from moeswap.server.activity import ExpertActivity, expert_view
 from moeswap.server.batching import BatchOptions, BatchScheduler, NotRunning, QueueFull
 from moeswap.server.choices import Choices, GenerationFailed, Piece
 from moeswap.server.metrics import HttpCounts, render_metrics
 from moeswap.server.schemas import MIN_TEMPERATURE, ChatBody, CompletionBody, SamplingBody
 
 
-ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+# The web page's files: name -> media type. Served without the API key: they hold no data.
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.js": "text/javascript; charset=utf-8",
+              "page.css": "text/css; charset=utf-8"}
+PUBLIC = ("/health", "/", "/page.js", "/page.css")
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions",
+          "/v1/moeswap/experts", "/", "/page.js", "/page.css")
 
 
 @dataclass(frozen=True)
@@ -65,8 +75,13 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.code, e.param), status_code=e.status)
 
 
-def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
+def create_app(runtime: Any, options: ServerOptions,
+               activity: ExpertActivity | None = None) -> FastAPI:
+    """activity: the recorder the model was loaded with (``moeswap.load(recorder=...)``), for
+    the experts' last use on /v1/moeswap/experts; without one, ``last_use`` is all null."""
     scheduler = BatchScheduler(runtime.model, options.batch)
+    web = importlib.resources.files("moeswap.server") / "web"
+    page = {name: (web / name).read_bytes() for name in PAGE_FILES}
     http_counts = HttpCounts()
     created = int(time.time())
 
@@ -104,6 +119,24 @@ def create_app(runtime: Any, options: ServerOptions) -> FastAPI:
         stats = await asyncio.to_thread(scheduler.read_model, getattr(runtime, "stats", dict))
         return PlainTextResponse(render_metrics(scheduler, http_counts, stats),
                                  media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/moeswap/experts")
+    async def experts():
+        view = await asyncio.to_thread(scheduler.read_model, lambda: expert_view(
+            runtime, activity, scheduler, options.model_name))
+        return JSONResponse(view, headers={"Cache-Control": "no-store"})
+
+    @app.get("/")
+    async def index():
+        return Response(page["index.html"], media_type=PAGE_FILES["index.html"])
+
+    @app.get("/page.js")
+    async def page_js():
+        return Response(page["page.js"], media_type=PAGE_FILES["page.js"])
+
+    @app.get("/page.css")
+    async def page_css():
+        return Response(page["page.css"], media_type=PAGE_FILES["page.css"])
 
     @app.get("/v1/models")
     async def models():
@@ -322,7 +355,7 @@ class _GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"] if scope["path"] in ROUTES else "other"  # bounded label set
-        if self.key is not None and scope["path"] != "/health" and not self._authorized(scope):
+        if self.key is not None and scope["path"] not in PUBLIC and not self._authorized(scope):
             response = JSONResponse(error_body("missing or incorrect API key: send "
                                                "'Authorization: Bearer KEY'", "invalid_request_error",
                                                "invalid_api_key"), status_code=401)
