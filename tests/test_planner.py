@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import tiny_models
@@ -15,17 +16,22 @@ from gguf_builders import gemma4, mixtral
 
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
+from moeswap.experts import probe
 from moeswap.experts.cost import Rates
 from moeswap.experts.policies import ReuseTable
+from moeswap.experts.probe import Overheads
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
 from moeswap.planner import plan_model, report
 from moeswap.planner.distributed import plan_multi_gpu
 from moeswap.planner.llama_cpp import EXPERT_PATTERN, GPU_RESERVE, plan_llama_cpp
-from moeswap.planner.placement import Budget, make_plan
-from moeswap.planner.rates import PlanRates, plan_rates
+from moeswap.planner import rates as planner_rates
+from moeswap.planner.placement import LAYER_STEP_SECONDS, Budget, make_plan
+from moeswap.planner.rates import DEFAULT_OVERHEADS, PlanRates, plan_rates
+from moeswap.planner.replayed import lru_hit_rate
 from moeswap.planner.sizes import model_sizes
 from moeswap.routing.profile import Profile
+from moeswap.routing.traces import RoutingTrace
 
 SHIPPED = Path(__file__).parent.parent / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"
 RATES = PlanRates(Rates(disk_read=1e9, link=1e10, host_compute=1e10, device_compute=1e11), "test")
@@ -175,6 +181,108 @@ def test_cli_refusal_exit_code_and_json(mixtral_file, capsys):
 def test_rates_from_flags_over_defaults(tmp_path):
     rates = plan_rates({"disk_read": 2e9, "link": None}, cache=tmp_path / "none.json")
     assert rates.rates.disk_read == 2e9 and "conservative defaults" in rates.source
+    assert rates.overheads == DEFAULT_OVERHEADS
+    assert "read latency and call costs: conservative defaults" in rates.source
+
+
+# --- fixed costs: cold-read latency and product calls ------------------------------------------
+
+LADDER = Overheads(read_seconds=((4096, 1e-4), (65536, 3e-4)), expert_call=2e-5)
+
+
+def test_read_seconds_between_and_beyond_the_probes_sizes():
+    rates = PlanRates(RATES.rates, "test", LADDER)  # disk_read 1 GB/s
+    assert rates.read_seconds(1000) == 1e-4  # below the smallest size: its time
+    assert rates.read_seconds(4096) == 1e-4
+    assert rates.read_seconds(34816) == pytest.approx(2e-4)  # halfway from 4 KiB to 64 KiB
+    assert rates.read_seconds(65536 + 10**6) == pytest.approx(3e-4 + 1e-3)  # + 1 MB at 1 GB/s
+    # the defaults: a 0.2 ms latency, then the bytes at disk_read
+    assert PlanRates(RATES.rates, "test").read_seconds(10**6) == pytest.approx(0.2e-3 + 1e-3)
+
+
+def test_decode_step_by_hand_with_every_expert_missing(mixtral_file):
+    """No expert slots: each token's 2 experts per layer are read, 3 pieces of 8 KiB each."""
+    s = sizes_of(mixtral_file)
+    assert s.expert_pieces_by_layer == {0: (8192,) * 3, 1: (8192,) * 3}
+    assert s.expert_products_by_layer == {0: 3, 1: 3}
+    rates = PlanRates(RATES.rates, "test", LADDER)  # RAM 1e10 B/s
+    plan = make_plan(s, Budget(0, _need(s, 64), 64), rates)
+    assert plan.host_slots == 0 and plan.hits.total == 0.0
+    shared = (118016 - 31 * 64 * 4) / 1e10  # every shared byte but 31 embedding rows
+    blocks = 2 * LAYER_STEP_SECONDS
+    read_piece = 1e-4 + 2e-4 * (8192 - 4096) / (65536 - 4096)
+    per_expert = 24576 / 1e10 + 3 * read_piece + 3 * 2e-5  # compute, 3 cold reads, 3 calls
+    experts = 2 * 2 * per_expert  # 2 layers x 2 distinct experts of one token
+    cache = 128 * 4 * 64 / 1e10  # float32 K and V of 64 positions
+    assert plan.decode_tokens_per_second == pytest.approx(1 / (shared + blocks + experts + cache))
+
+
+def test_probe_cache_overheads_measured_when_absent_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setattr(probe.platform, "node", lambda: "box")
+    monkeypatch.setattr(planner_rates.platform, "node", lambda: "box")
+    monkeypatch.setattr(probe, "measure_overheads", lambda threads, folder: LADDER)
+    old = {"disk_read": 2e9, "link": 3e9, "host_compute": 4e9, "device_compute": 4e9}
+    cache = tmp_path / "probe.json"
+    cache.write_text(json.dumps({"box threads=1": old, "box threads=all": old}))
+    assert probe.read_overheads(cache) == {}  # written before the overheads were measured
+    assert probe.cached_rates(1, cache) == Rates(**old)  # the rates kept, the overheads added
+    assert probe.read_overheads(cache) == {("box", "1"): LADDER}
+    assert json.loads(cache.read_text())["box threads=1"]["read_seconds"] == [[4096, 1e-4],
+                                                                          [65536, 3e-4]]
+    one = plan_rates({}, cache, threads="1")
+    assert one.overheads == LADDER and one.rates == Rates(**old)
+    assert "read latency and call costs: moeswap probe" in one.source
+    assert plan_rates({}, cache).overheads == LADDER  # the all-threads entry has none: any other
+
+
+def test_probe_cache_with_bad_overheads_is_damaged(tmp_path):
+    rates = {"disk_read": 2e9, "link": 3e9, "host_compute": 4e9, "device_compute": 4e9}
+    cache = tmp_path / "probe.json"
+    cache.write_text(json.dumps({"box threads=1": {**rates, "read_seconds": [[4096, -1]],
+                                                   "expert_call": 2e-5}}))
+    with pytest.raises(MoeswapError, match="overheads that are not positive numbers"):
+        probe.read_overheads(cache)
+
+
+# --- hit rates from a recorded trace: the store's LRU replayed ---------------------------------
+
+def _trace(n_experts=4):
+    """Mixtral file's shape (layers 0, 1; top-2): 2 prefill tokens, then 3 decoded."""
+    ids = [[[0, 1], [2, 3]], [[1, 2], [3, 0]],  # prefill
+           [[0, 1], [3, 2]], [[2, 0], [1, 3]], [[0, 1], [2, 3]]]  # decode
+    return RoutingTrace(model="m", arch="llama", layers=[0, 1], n_experts=n_experts, k=2,
+                        prompt_offsets=[0, 5], expert_ids=ids,
+                        weights=[[[0.5, 0.5]] * 2] * 5, phase=np.array([0, 0, 1, 1, 1], np.uint8),
+                        source="t.npz")
+
+
+def test_replayed_lru_counts_the_decode_steps_in_the_stores_order():
+    """Prefill is one step per layer: layer 0 asks 0, 1, 2 and layer 1 asks 0, 2, 3 (ascending);
+    then each decoded token asks its two experts per layer. By hand, with 4 slots:
+    t2: (0,0) miss, (0,1) miss, (1,2) hit, (1,3) hit; t3: (0,0) hit, (0,2) miss, (1,1) miss,
+    (1,3) hit; t4: (0,0) hit, (0,1) miss, (1,2) miss, (1,3) hit: 6 of 12.
+    With 6 slots only t3's (1,1) misses; with none, nothing hits."""
+    assert lru_hit_rate(_trace(), 4) == (6 / 12, 12)
+    assert lru_hit_rate(_trace(), 6) == (11 / 12, 12)
+    assert lru_hit_rate(_trace(), 0) == (0.0, 12)
+
+
+def test_plan_with_a_trace_and_the_cli(mixtral_file, tmp_path, capsys):
+    s = sizes_of(mixtral_file)
+    plan = make_plan(s, Budget(s.slot_bytes, _need(s, 8) + 3 * s.slot_bytes, 8), RATES,
+                     trace=_trace())
+    assert plan.hits.total == pytest.approx(0.5)
+    assert plan.hits.device == pytest.approx(0.5 / 4)  # 1 of the 4 slots
+    assert "LRU replayed over its 12 decode requests" in plan.hits.source
+    with pytest.raises(MoeswapError, match="traced layers .* with 5 experts"):
+        make_plan(s, Budget(0, _need(s, 8), 8), RATES, trace=_trace(n_experts=5))
+    path = tmp_path / "t.npz"
+    _trace().save(path)
+    assert main(["plan", str(mixtral_file), "--host-mem", str(_need(s, 8) + 4 * s.slot_bytes),
+                 "--ctx", "8", "--profile", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["moeswap"]["hit_rate"]["total"] == 0.5
+    assert "--policy" not in doc["moeswap"]["command"]  # the default LRU is what was replayed
 
 
 # --- llama.cpp, Ollama, vLLM, SGLang -------------------------------------------------------------
