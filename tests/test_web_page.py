@@ -1,0 +1,181 @@
+"""The web page at / in a real headless browser (Debian's chromium driven by its chromedriver
+through selenium), against uvicorn on 127.0.0.1: it loads with no console errors, a typed prompt
+streams into the page, and the expert grid changes while the tokens arrive; with --api-key
+the page works once the key is typed. The tiny model's store holds 3 of its 8 experts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import uvicorn
+
+from moeswap.experts.store import ExpertStore, StoreOptions
+from moeswap.server.activity import ExpertActivity
+from moeswap.server.app import ServerOptions, create_app
+from moeswap.server.batching import BatchOptions
+from test_server import MODEL, TEMPLATE, load, one_thread, solo_text, write_model  # noqa: F401
+from test_server_page import CTX, store_sizes
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
+                       reason="needs Debian's chromium and chromium-driver "
+                              "(apt-get install chromium chromium-driver)"),
+]
+webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pip install selenium)")
+
+N_TOKENS = 24
+STEP_SECONDS = 0.06  # each forward call waits this long, so a reply takes ~1.5 s to stream
+
+
+class SlowModel:
+    def __init__(self, model):
+        self.model = model
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, tokens, caches):
+        time.sleep(STEP_SECONDS)
+        return self.model.forward(tokens, caches)
+
+
+class SlowRuntime:
+    """The runtime, its model slowed down; everything else is the real runtime's."""
+
+    def __init__(self, runtime):
+        self._runtime = runtime
+        self.model = SlowModel(runtime.model)
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("web"), TEMPLATE)
+
+
+@contextmanager
+def page_server(tiny_path, **options):
+    """The app on a free loopback port under uvicorn: a store holding 3 of the 8 experts."""
+    fixed, slot, _ = store_sizes(tiny_path)
+    activity = ExpertActivity()
+    factory = ExpertStore.factory(StoreOptions(host_bytes=fixed + 3 * slot, context_tokens=CTX * 8))
+    runtime = load(tiny_path, expert_runner=factory, recorder=activity)
+    app = create_app(SlowRuntime(runtime), ServerOptions(MODEL, BatchOptions(ctx=CTX), **options),
+                     activity)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started, 10)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                 "--window-size=1280,800"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    yield driver
+    driver.quit()
+
+
+def wait_for(condition, seconds: float):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    return None
+
+
+def console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+GRID = "return [...document.querySelectorAll('#grid .cell')].map(c => c.dataset.tier + ':' + c.dataset.lastUse)"
+REPLY = "const t = document.querySelectorAll('#transcript .turn'); return t.length ? [t[t.length - 1].className, t[t.length - 1].textContent] : null"
+
+
+def ask_and_watch(driver, prompt: str) -> tuple[list[tuple[str, tuple]], str]:
+    """Type ``prompt``, press Enter, and record (reply so far, grid) until the reply ends."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    temperature = driver.find_element(By.ID, "temperature")
+    temperature.clear()
+    temperature.send_keys("0")
+    tokens = driver.find_element(By.ID, "max-tokens")
+    tokens.clear()
+    tokens.send_keys(str(N_TOKENS))
+    driver.find_element(By.ID, "prompt").send_keys(prompt, Keys.ENTER)
+    seen = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        ended = not driver.find_element(By.ID, "stop").is_enabled()  # read first: then the
+        reply = driver.execute_script(REPLY)  # reply read after it is whole
+        seen.append((reply[1] if reply else "", tuple(driver.execute_script(GRID))))
+        if ended and reply and reply[0] != "turn user":
+            return seen, reply[0]
+        time.sleep(0.03)
+    raise AssertionError(f"the reply did not end within 30 s: {seen[-1]}")
+
+
+def test_the_page_streams_a_reply_while_the_expert_grid_changes(tiny_path, browser):
+    messages = [{"role": "user", "content": "bcd"}]
+    runtime = load(tiny_path)
+    expected = solo_text(runtime, runtime.chat_prompt_ids(messages), N_TOKENS)[0]
+    with page_server(tiny_path) as url:
+        browser.get(url)
+        assert wait_for(lambda: browser.execute_script(
+            "return document.getElementById('model').textContent") == MODEL, 10)
+        before = tuple(browser.execute_script(GRID))
+        assert len(before) == 8 and set(before) == {"disk:"}  # nothing read, nothing used yet
+        seen, kind = ask_and_watch(browser, "bcd")
+        final = seen[-1][0]
+        assert kind == "turn assistant" and final == expected  # greedy: `moeswap run`'s reply
+        partial = [(text, grid) for text, grid in seen if 0 < len(text) < len(final)]
+        assert len({text for text, _ in partial}) >= 3, seen  # streamed, not all at once
+        grids = [grid for _, grid in partial]
+        assert len(set(grids)) >= 2, partial  # the grid changed while tokens arrived
+        after = seen[-1][1]
+        assert sum(cell.startswith("host:") for cell in after) == 3  # the budget: 3 experts
+        assert "host:" not in after  # the host tier holds only experts that were used
+        assert console_errors(browser) == []
+
+
+def test_with_an_api_key_the_page_works_once_the_key_is_typed(tiny_path, browser):
+    from selenium.webdriver.common.by import By
+
+    with page_server(tiny_path, api_key="s3cret") as url:
+        browser.get(url)
+        browser.execute_script("localStorage.clear()")
+        browser.get(url)
+        assert wait_for(lambda: "API key" in browser.find_element(By.ID, "status").text, 10)
+        browser.find_element(By.ID, "key").send_keys("s3cret")
+        assert wait_for(lambda: browser.find_element(By.ID, "model").text == MODEL, 10)
+        seen, kind = ask_and_watch(browser, "bcd")
+        assert kind == "turn assistant" and len(seen[-1][0]) > 0
+        # the one refused request is the page's first poll, before the key was typed
+        assert all("401" in e and "/v1/moeswap/experts" in e for e in console_errors(browser))
