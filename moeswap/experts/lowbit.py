@@ -27,7 +27,7 @@ from moeswap.errors import MoeswapError
 from moeswap.experts.options import LOWBIT_TYPES
 from moeswap.experts.tiers import SlotPool, piece_offsets, slot_bytes
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.models.quant_experts import ExpertLayout
+from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 from moeswap.quant import quantize_rows
 
 
@@ -83,24 +83,24 @@ class LowBitCopies:
         self.counts = {i: LowBitCounts() for i in layouts}
 
     def _fill(self, gguf: GGUFFile, layer: int, layout: ExpertLayout) -> None:
+        """One expert at a time, so that only one expert's float values exist at once."""
         copy_layout = self.layouts[layer]
         offsets = piece_offsets(copy_layout)
         for part, copy, offset in zip(layout.parts, copy_layout.parts, offsets):
             stack = np.frombuffer(gguf.tensor_bytes(gguf.tensor(part.name)), dtype=np.uint8)
-            if part.is_matrix:
-                stack = self._requantize(part, stack)
             for expert in range(layout.n_experts):
+                stored = stack[expert * part.expert_bytes:(expert + 1) * part.expert_bytes]
                 slot = self.pool.slot(self.index[layer, expert])
                 slot[offset:offset + copy.expert_bytes] = \
-                    stack[expert * copy.expert_bytes:(expert + 1) * copy.expert_bytes]
+                    self._requantize(part, stored) if part.is_matrix else stored
 
-    def _requantize(self, part, stack: np.ndarray) -> np.ndarray:
-        """A stack's stored bytes in the file's type -> the same stack's bytes in the copy type."""
+    def _requantize(self, part: ExpertPart, stored: np.ndarray) -> np.ndarray:
+        """One expert matrix's stored bytes in the file's type -> its bytes in the copy type."""
         source = GGMLQuantizationType(part.ggml_type)
         block_size, type_size = GGML_QUANT_SIZES[source]
-        rows = stack.reshape(-1, part.ne[0] // block_size * type_size)  # [X*out, row bytes]
+        rows = stored.reshape(part.ne[1], part.ne[0] // block_size * type_size)  # [out, bytes]
         try:
-            values = dequantize(rows, source)  # [X*out, in]
+            values = dequantize(rows, source)  # [out, in]
         except NotImplementedError:
             raise MoeswapError(f"--miss-lowbit: '{part.name}' is {source.name}, which cannot be "
                                "dequantized here to make a copy; leave --miss-lowbit off") from None
