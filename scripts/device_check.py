@@ -80,11 +80,19 @@ def store_model(path: Path, device: str, device_slots: int, n_tokens: int, threa
 # -- 1. agreement ------------------------------------------------------------------------------
 
 def tiny_models(folder: Path) -> list[tuple[str, Path]]:
+    """tests/tiny_models.py's Mixtral with weights of std 0.02, built from its config alone:
+    that module's table of every family needs a transformers as new as this repo's."""
     import tiny_models as tiny
+    import transformers as tf
 
     from moeswap.gguf_tools.convert import convert
 
-    tiny.save("mixtral", folder / "hf", initializer_range=0.02)
+    torch.manual_seed(0)
+    config = tf.MixtralConfig(**{**tiny.COMMON, "initializer_range": 0.02,
+                                 "intermediate_size": 64, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "rope_theta": 10000.0})
+    tf.MixtralForCausalLM(config).eval().save_pretrained(folder / "hf")
+    tiny.save_tokenizer(folder / "hf")
     return [(t, convert(folder / "hf", folder / f"model.{t}.gguf", t)) for t in ("q8_0", "q4_0")]
 
 
@@ -125,6 +133,33 @@ def agreement(device: str, threads: int, folder: Path) -> list[dict]:
                          "transfers": total["transfers"], "device_hits": total["device_hits"],
                          **result})
             print(f"agreement {type_name} device slots {device_slots}: {rows[-1]}", flush=True)
+    return rows
+
+
+def product_agreement(device: str, threads: int) -> list[dict]:
+    """One expert matrix (out 1024, in 4096, std-1 weights) times 8 rows, on the device and by
+    ggml: on the calm tiny models the expert outputs are too small to move a logit at float32
+    precision, so the products are compared directly too."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+
+    from moeswap.experts.device import _DeviceMatrix
+    from moeswap.quant import CpuKernels, quantize_rows
+
+    kernels, rows = CpuKernels(threads), []
+    x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(3))
+    ids = torch.zeros(8, 1, dtype=torch.int32)
+    weights = np.random.default_rng(0).normal(0.0, 1.0, (1024, 4096)).astype(np.float32)
+    for type_name, type_id in (("q8_0", int(Q.Q8_0)), ("q4_0", int(Q.Q4_0))):
+        raw = quantize_rows(weights, type_id).reshape(-1)
+        expected = kernels.experts(raw, type_id, (4096, 1024, 1)).matmul(x, ids)
+        on_device = torch.from_numpy(raw.copy()).to(device)
+        got = _DeviceMatrix(on_device, type_id, (4096, 1024)).matmul(x, ids)
+        relative = float((got - expected).abs().max() / expected.abs().max())
+        rows.append({"type": f"{type_name} product", "device_slots": "-", "transfers": 0,
+                     "device_hits": 0, "relative": relative, "clear_rows": 0, "clear_equal": 0,
+                     "passed": relative <= RELATIVE_BOUND})
+        print(f"agreement {type_name} product: {rows[-1]}", flush=True)
     return rows
 
 
@@ -284,7 +319,8 @@ def main() -> int:
     builtin = ROOT / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"
     with tempfile.TemporaryDirectory(prefix="device-check-") as folder:
         folder = Path(folder)
-        report["agreement"] = agreement(args.device, args.threads, folder)
+        report["agreement"] = (agreement(args.device, args.threads, folder)
+                               + product_agreement(args.device, args.threads))
         report["bandwidth"] = bandwidth(args.device, [1, 8] if args.quick else [1, 16, 256],
                                         3 if args.quick else 10)
         report["decode"] = sweep("built-in stdlib-moe Q8_0", "real (Python source)", builtin,
