@@ -42,12 +42,12 @@ def register(subparsers) -> None:
     c.set_defaults(handler=run_chat)
 
 
-def _load(args, context_tokens: int):
+def _load(args, context_tokens: int, recorder=None):
     import moeswap
 
     return moeswap.load(args.model, threads=args.threads,
                         expert_runner=store_factory(args, context_tokens),
-                        replay_routing=args.replay_routing)
+                        replay_routing=args.replay_routing, recorder=recorder)
 
 
 def run_serve(args) -> int:
