@@ -10,7 +10,7 @@ import numpy as np
 
 from moeswap.bench.memory import MemoryTrace
 from moeswap.bench.scenarios import RunSpec
-from moeswap.bench.timing import run_sequential
+from moeswap.bench.timing import run_sequential, warm_up
 
 
 class LlamaSession:
@@ -38,6 +38,9 @@ def run(spec: RunSpec) -> dict:
                           n_threads_batch=spec.threads, use_mmap=spec.llama_mmap, verbose=False)
     load_s = time.perf_counter() - began
     memory.sample("load")
-    timing = run_sequential(LlamaSession(llm), spec, memory)
+    session = LlamaSession(llm)
+    warm_up(session, spec)
+    memory.sample("warm-up")
+    timing = run_sequential(session, spec, memory)
     return {"load_s": load_s, **timing, "hit_rate": None, "bytes_moved": None, "store": None,
             **memory.peaks(), "memory_trace": memory.samples}

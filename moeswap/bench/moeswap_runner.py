@@ -11,7 +11,7 @@ import torch
 
 from moeswap.bench.memory import MemoryTrace
 from moeswap.bench.scenarios import RunSpec
-from moeswap.bench.timing import figures, run_sequential
+from moeswap.bench.timing import figures, run_sequential, warm_up
 from moeswap.errors import MoeswapError
 
 
@@ -45,18 +45,22 @@ def run(spec: RunSpec) -> dict:
     if experts is not None:
         memory.stats = runtime.stats
     memory.sample("load")
+    session = MoeswapSession(runtime.model)
+    warm_up(session, spec)
+    memory.sample("warm-up")
     before = runtime.stats()
     if spec.batched:
         timing = run_batched(runtime.model, spec, memory)
     else:
-        timing = run_sequential(MoeswapSession(runtime.model), spec, memory)
+        timing = run_sequential(session, spec, memory)
     return {"load_s": load_s, **timing, **store_figures(before, runtime.stats()),
             **memory.peaks(), "memory_trace": memory.samples}
 
 
 def store_figures(before: dict, after: dict) -> dict:
-    """Hit rate and bytes moved during the timed part (the store's counters, less load's)."""
-    if not after:
+    """Hit rate and bytes moved during the timed part (the store's counters, less those of
+    load and warm-up)."""
+    if "total" not in after:  # no store (replayed routing alone reports only itself)
         return {"hit_rate": None, "bytes_moved": None, "store": None}
     was, now = before["total"], after["total"]
     moved = {k: now[k] - was[k] for k in now if k != "hit_rate"}

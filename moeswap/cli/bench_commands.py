@@ -34,6 +34,8 @@ def register(subparsers) -> None:
                    help="positions of the long scenario, prompt + generated (size's default)")
     p.add_argument("--gen-tokens", type=int, metavar="N",
                    help="tokens generated per prompt (size's default)")
+    p.add_argument("--prompt-tokens", type=int, metavar="N",
+                   help="cut every prompt but the long one to its first N tokens (size's default)")
     p.add_argument("--windows", default="8,32,128", help="window-sweep's N (8,32,128)")
     p.add_argument("--resident", default="0,4,8,16",
                    help="resident-sweep's experts per MoE layer (0,4,8,16)")
@@ -80,8 +82,12 @@ def run_bench_command(args) -> int:
         sizes = replace(sizes, long_context=args.long_context)
     if args.gen_tokens is not None:
         sizes = replace(sizes, gen_tokens=args.gen_tokens)
-    if sizes.gen_tokens < 1 or sizes.long_context <= sizes.gen_tokens:
-        raise MoeswapError("--gen-tokens must be >= 1 and below --long-context")
+    if args.prompt_tokens is not None:
+        sizes = replace(sizes, prompt_cap=args.prompt_tokens)
+    if sizes.gen_tokens < 1 or sizes.long_context <= sizes.gen_tokens or \
+            (sizes.prompt_cap is not None and sizes.prompt_cap < 1):
+        raise MoeswapError("--gen-tokens and --prompt-tokens must be >= 1, --gen-tokens below "
+                           "--long-context")
     model = args.model or moeswap.DEFAULT_MODEL
     if not Path(model).is_file():
         raise MoeswapError(f"{model}: no such file; give a .gguf MoE model")
