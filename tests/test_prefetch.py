@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tiny_models
-from moeswap.experts.prefetch import Prefetcher
+from moeswap.experts.device import TorchDeviceSlots
+from moeswap.experts.prefetch import PROBE_FORWARDS, RECHECK_FORWARDS, Prefetcher, Throttle
 from moeswap.experts.store import ExpertStore, StoreOptions
 from moeswap.experts.tiers import piece_offsets
 from moeswap.formats.config import config_from_gguf
@@ -264,3 +265,191 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     assert len(store._reads) <= store.prefetch.queue_bound
     store.close()
     assert threading.active_count() == threads[-1] - 1
+
+
+# -- the throttle: prefetch kept only where forwards with it are measured faster ---------------
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _run_forwards(throttle, clock, n, seconds_on, seconds_off, n_tokens=1) -> list[bool]:
+    states = []
+    for _ in range(n):
+        states.append(throttle.forward(n_tokens))
+        clock.now += seconds_on if states[-1] else seconds_off
+    return states
+
+
+def test_throttle_keeps_prefetch_that_pays_and_rechecks_it():
+    clock = _Clock()
+    t = Throttle(clock)
+    states = _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.75, 1.0)
+    # 8 forwards timed on, 8 off (each timed when the next starts), then on again: it won
+    assert states == [True] * PROBE_FORWARDS + [False] * PROBE_FORWARDS + [True]
+    assert (t.probes, t.probes_won, t.medians) == (1, 1, (0.75, 1.0))
+    states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.75, 1.0)
+    assert all(states) and t.probes == 1
+    assert _run_forwards(t, clock, PROBE_FORWARDS + 1, 0.75, 1.0)[-1] is False  # probing again
+
+
+def test_throttle_turns_prefetch_off_when_not_faster_and_backs_off():
+    clock = _Clock()
+    t = Throttle(clock)
+    probe = 1 + 2 * PROBE_FORWARDS
+    _run_forwards(t, clock, probe, 0.99, 1.0)  # 1 % faster is inside the margin: off
+    assert (t.probes, t.probes_won, t.on) == (1, 0, False)
+    states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.99, 1.0)
+    assert not any(states)  # off, with no work, for RECHECK_FORWARDS forwards
+    states = _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 1.2, 1.0)  # the next probe: on first
+    assert states[:PROBE_FORWARDS] == [True] * PROBE_FORWARDS and t.probes == 2
+    assert not any(_run_forwards(t, clock, 2 * RECHECK_FORWARDS, 1.2, 1.0))  # pause doubled
+    assert t.forward(1)  # then a third probe
+    assert t.forwards_on == 2 * PROBE_FORWARDS + 1
+
+
+def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
+    clock = _Clock()
+    t = Throttle(clock)
+    for n_tokens in (40, 1, 7, 3):  # a prefill, then batch sizes changing: nothing timed
+        t.forward(n_tokens)
+        clock.now += 100.0
+    assert t._times == {True: [], False: []}
+    _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.5, 1.0)
+    assert t.medians == (0.5, 1.0)  # the 100 s forwards counted nowhere
+
+
+def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral):
+    gguf = GGUFFile.open(deep_mixtral)
+    fixed, slot, layers, n_experts = plan(deep_mixtral)
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu",
+                        StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
+                                     prefetch="both", prefetch_depth=4),
+                        _routers(deep_mixtral, layers))
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    gate, read = threading.Event(), store.worker.disk.read_expert
+    store.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
+    calls, guesses = [], store.prefetch.guesses
+    store.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
+    plan_on = iter([True, False, False])
+    store.prefetch.throttle.forward = lambda n_tokens: next(plan_on)
+    generator = torch.Generator().manual_seed(2)
+    for forward in range(3):
+        for layer in layers[:2]:  # two MoE layers: reads for layers 1-4 stay queued at the gate
+            x = torch.randn(1, 64, generator=generator)
+            ids = torch.randperm(n_experts, generator=generator)[:2][None]
+            weights = torch.rand(1, 2, generator=generator)
+            assert torch.equal(store.run(layer, x, ids, weights),
+                               resident.run(layer, x, ids, weights))
+        if forward == 0:
+            assert calls == layers[:2] and store.worker.waiting > 0
+    assert calls == layers[:2]  # off: no prediction at all
+    assert store.worker.waiting == 0 and store.prefetch._pending == {}
+    assert all(job.state == "running" for job in store._reads.values())  # at most the held one
+    gate.set()
+    store.close()
+
+
+# -- GPU prefetch: uploads on a copy stream, ordered by events (logic checked on CPU tensors) ---
+
+class _DeferredCopies:
+    """A copy stream that runs its copies, in order, only when one of their events is waited
+    on: a slot read before its event was waited on, or a ring buffer reused before its copy ran,
+    would hold the wrong bytes."""
+
+    def __init__(self):
+        self.queue: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        self.log: list[str] = []
+
+    def copy(self, target, source):
+        event = _Event(self)
+        self.queue.append((target, source, event))
+        return event
+
+    def run_until(self, event) -> None:
+        while any(e is event for _, _, e in self.queue):
+            target, source, done = self.queue.pop(0)
+            target.copy_(source)
+
+    def compute_waits(self, event) -> None:
+        self.log.append("compute waits")
+        self.run_until(event)
+
+
+class _Event:
+    def __init__(self, copies):
+        self.copies = copies
+
+    def synchronize(self):
+        self.copies.log.append("host waits")
+        self.copies.run_until(self)
+
+
+def test_device_slots_wait_for_their_upload_and_reuse_the_ring_only_after_its_copy():
+    slots = TorchDeviceSlots("cpu", n_slots=3, slot_size=64, ring=2)
+    slots.copies = copies = _DeferredCopies()
+    slots.pool.zero_()
+    sources = [np.full(64, value, dtype=np.uint8) for value in (1, 2, 3)]
+    slots.upload(0, sources[0])
+    slots.upload(1, sources[1])
+    assert copies.log == [] and not slots.slot(0).any()  # both copies in flight
+    slots.upload(2, sources[2])  # ring buffer 0 again: its copy into slot 0 must run first
+    assert copies.log == ["host waits"] and bool((slots.slot(0) == 1).all())
+    assert not slots.slot(2).any()
+    layout = type("Layout", (), {"parts": [], "matrices": {}, "biases": {}})()
+    slots.expert(2, layout)  # the first reader of slot 2 waits on its upload's event
+    assert copies.log == ["host waits", "compute waits"]
+    assert [int(slots.slot(i)[0]) for i in range(3)] == [1, 2, 3]
+    slots.expert(2, layout)  # later readers need no wait: the stream order holds
+    assert copies.log == ["host waits", "compute waits"]
+
+
+def _device_store(path, device_slots, prefetch):
+    gguf = GGUFFile.open(path)
+    fixed, slot, layers, n_experts = plan(path)
+    store = ExpertStore(gguf, CpuKernels(1), layers, "silu",
+                        StoreOptions(host_bytes=fixed + 2 * len(layers) * slot,
+                                     device_bytes=device_slots * slot, miss="transfer",
+                                     device_backend="cpu", prefetch=prefetch, prefetch_depth=2),
+                        _routers(path, layers))
+    store.pools["device"].copies = _DeferredCopies()
+    return store
+
+
+def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtral):
+    _, slot, layers, n_experts = plan(deep_mixtral)
+    device_slots = 5
+    with_prefetch = _device_store(deep_mixtral, device_slots, "gate")
+    without = _device_store(deep_mixtral, device_slots, "off")
+    routers = with_prefetch.prefetch.routers
+    file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
+    generator = torch.Generator().manual_seed(3)
+    for step in range(12):
+        for layer in layers:
+            x = torch.randn(2, 64, generator=generator)
+            ids, weights = routers[layer](x)
+            needed = {(layer, e) for e in ids.flatten().tolist()}
+            on_device = needed & set(with_prefetch.slots["device"])
+            assert torch.equal(with_prefetch.run(layer, x, ids, weights),
+                               without.run(layer, x, ids, weights))  # both computed there
+            assert with_prefetch.held_bytes()["device"] <= device_slots * slot
+            assert on_device <= set(with_prefetch.slots["device"])  # guesses evicted none
+            pending = with_prefetch._to_upload
+            assert all(key[0] > layer for key in pending)  # stale device guesses dropped
+    assert with_prefetch.prefetch.counts.uploads > 0
+    assert with_prefetch.stats()["total"]["device_hits"] > without.stats()["total"]["device_hits"]
+    pool = with_prefetch.pools["device"]
+    if pool.copies.queue:  # the copies still in flight land
+        pool.copies.run_until(pool.copies.queue[-1][2])
+    for key, index in with_prefetch.slots["device"].items():  # every slot holds its expert
+        layout = with_prefetch.layouts[key[0]]
+        for part, offset in zip(layout.parts, piece_offsets(layout)):
+            start = part.data_start + key[1] * part.expert_bytes
+            assert np.array_equal(pool.slot(index)[offset:offset + part.expert_bytes].numpy(),
+                                  file_bytes[start:start + part.expert_bytes])
+    with_prefetch.close()

@@ -2,14 +2,18 @@
 ring on a copy stream, and the products computed there from the stored bytes.
 
 ``TorchDeviceSlots`` is written for CUDA and runs the same code on CPU tensors (``device="cpu"``),
-which is how it is tested here: on CPU the "streams" are absent, copies are synchronous and
-events are no-ops. On CUDA:
+which is how it is tested here: the copies go through a small interface (``CudaCopies`` on CUDA,
+``SyncCopies`` on CPU, where a copy is done when it returns; tests hand in one that defers
+copies until their event is waited on). On CUDA:
 
 - the pool is one ``uint8`` tensor in device memory, allocated once and cut into slots;
 - an upload copies the expert's bytes into the next buffer of a small ring of pinned host
   buffers (after that buffer's previous copy has finished, its event), then copies it to the
   slot on a dedicated copy stream and records an event; the compute stream waits on that event
-  before it first reads the slot, so uploads overlap with compute without ever racing it;
+  before it first reads the slot, so uploads overlap with compute without ever racing it; the
+  copy stream first waits for the compute stream's work so far, so a slot is rewritten only
+  after its last reader. Prefetch (moeswap.experts.store) uploads guessed experts this way
+  ahead of their layer;
 - products dequantize the expert's matrix on the device and multiply in float32, with the
   activations rounded first the way ggml rounds them on the CPU (Q8_0 blocks for Q4_0 / Q8_0),
   so that device and CPU results differ only by float summation order.
@@ -85,6 +89,36 @@ class DeviceExpert:
                 self.biases[kind] = raw.view(VECTOR_DTYPES[part.ggml_type]).view(-1).cpu()
 
 
+class CudaCopies:
+    """Host-to-device copies on a dedicated stream, each ending in an event."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stream = device, torch.cuda.Stream(device)
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor):
+        """Start the copy -> its event."""
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(compute)  # the slot's last reader has finished with it
+            target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def compute_waits(self, event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class SyncCopies:
+    """CPU tensors: a copy is done when it returns, so it needs no event."""
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor):
+        target.copy_(source)
+
+    def compute_waits(self, event) -> None:
+        pass
+
+
 class TorchDeviceSlots(FreeSlots):
     """A pool of expert slots on a torch device, filled through a pinned staging ring."""
 
@@ -99,8 +133,8 @@ class TorchDeviceSlots(FreeSlots):
                      for _ in range(ring)]
         self._ring_events: list = [None] * ring
         self._next = 0
-        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
-        self._ready: dict[int, object] = {}  # slot -> event its upload recorded
+        self.copies = CudaCopies(self.device) if cuda else SyncCopies()
+        self._ready: dict[int, object] = {}  # slot -> event of its last upload, until first read
 
     def slot(self, index: int) -> torch.Tensor:
         return self.pool[index * self.slot_size:(index + 1) * self.slot_size]
@@ -111,18 +145,15 @@ class TorchDeviceSlots(FreeSlots):
         if self._ring_events[i] is not None:
             self._ring_events[i].synchronize()  # the buffer's previous upload has left it
         self.ring[i].numpy()[:] = source
-        if self.copy_stream is None:
-            self.slot(index).copy_(self.ring[i])
-            return
-        with torch.cuda.stream(self.copy_stream):
-            self.slot(index).copy_(self.ring[i], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        self._ring_events[i] = self._ready[index] = event
+        event = self.copies.copy(self.slot(index), self.ring[i])
+        self._ring_events[i] = event
+        self._ready.pop(index, None)
+        if event is not None:
+            self._ready[index] = event
 
     def expert(self, index: int, layout: ExpertLayout) -> DeviceExpert:
         """The slot's expert, once its upload is done (the compute stream waits for it)."""
         event = self._ready.pop(index, None)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self.copies.compute_waits(event)
         return DeviceExpert(layout, self.slot(index))

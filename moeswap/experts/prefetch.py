@@ -21,13 +21,21 @@ rule uses. Reads are issued only
 - while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses).
 
 Reads run on ``ReadWorker``'s thread (``preadv`` releases the GIL, so they overlap the kernels);
-the store decides residency on its own thread (moeswap.experts.store).
+the store decides residency on its own thread (moeswap.experts.store), and hands a layer's reads
+over in one batch: each wake-up of the worker costs the store's thread a GIL hand-off, measured
+at ~0.6 ms on a busy 2-core machine, more than a small model's read takes.
+
+Above all of that, ``Throttle`` keeps prefetch from costing time: it times whole forwards with
+prefetch on and off (a probe of ``PROBE_FORWARDS`` each), keeps it on only where on was at least
+``MARGIN`` faster, and otherwise turns it off completely (no prediction, no reads) for
+``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it keeps losing.
 
 Legend: N tokens, K picks per token, X experts of a layer.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import deque
@@ -44,6 +52,10 @@ from moeswap.models.quant_experts import ExpertLayout
 MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions than hits save
 PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
 PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between probing reads
+PROBE_FORWARDS = 8  # timed forwards in each arm (on, off) of a throttle probe
+MARGIN = 0.03  # prefetch stays on only when its forwards' median is this much under off's
+RECHECK_FORWARDS = 256  # forwards between probes; doubled after each probe prefetch loses
+MAX_RECHECK = 4096
 
 
 class TransitionCounts:
@@ -53,6 +65,10 @@ class TransitionCounts:
         self.next = dict(zip(layers, layers[1:]))
         self.counts = {layer: torch.zeros(n_experts, n_experts) for layer in layers[:-1]}
         self._last: tuple[int, torch.Tensor] | None = None  # (layer, ids [N, K]) seen last
+
+    def forget_last(self) -> None:
+        """The next picks seen do not follow the last ones (layers were skipped)."""
+        self._last = None
 
     def observe(self, layer: int, ids: torch.Tensor) -> None:
         if self._last is not None:
@@ -110,6 +126,7 @@ class PrefetchCounts:
     cancelled: int = 0  # stale reads dropped before they started
     wait_seconds: float = 0.0  # the store's thread waiting on a read already running
     hidden_seconds: float = 0.0  # read time of used prefetches the store did not wait for
+    uploads: int = 0  # guesses copied on to the device tier ahead of use (CUDA copy stream)
 
 
 class Prefetcher:
@@ -132,6 +149,12 @@ class Prefetcher:
         self._pending: dict[int, dict[int, set[int]]] = {}  # target layer -> depth -> guess
         self.useful_now = {t: 1.0 for t in layers}  # running share of reads used, per target
         self._rounds_off = {t: 0 for t in layers}
+        self.throttle = Throttle()
+
+    def pause(self) -> None:
+        """The throttle turned prefetch off: guesses made so far will not be checked."""
+        self._pending.clear()
+        self.history.forget_last()
 
     def read_outcome(self, target: int, used: bool) -> None:
         """A read for ``target`` was used, or evicted unused."""
@@ -185,10 +208,69 @@ class Prefetcher:
                 "bytes_prefetched": c.bytes_prefetched, "used": c.used,
                 "bytes_wasted": c.bytes_wasted, "cancelled": c.cancelled,
                 "wait_seconds": c.wait_seconds, "hidden_seconds": c.hidden_seconds,
+                "uploads": c.uploads, "adaptive": self.throttle.as_dict(),
                 "layers": {t: {d: {**a.as_dict(), "reads_enabled": a.enabled and
                                    self.useful_now[t] >= MIN_PRECISION}
                                for d, a in by_depth.items()}
                            for t, by_depth in self.accuracy.items()}}
+
+
+class Throttle:
+    """Whether prefetch runs in the next forward, from the measured time of forwards with it on
+    and off. A probe runs ``PROBE_FORWARDS`` forwards on, then as many off; prefetch stays on
+    until the next probe only if the median on-forward was ``MARGIN`` faster than the median
+    off-forward. A forward's time is from its first MoE layer to the next forward's; forwards
+    whose token count differs from the next one's (a prefill, a batch changing) are not timed.
+    """
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self.on = True  # prefetch runs in the current forward
+        self._times: dict[bool, list[float]] = {True: [], False: []}
+        self._probing = True
+        self._hold = 0  # forwards left before the next probe
+        self._pause = RECHECK_FORWARDS  # how long a lost probe turns prefetch off
+        self._last: tuple[float, int] | None = None  # (start, tokens) of the current forward
+        self.probes = self.probes_won = self.forwards_on = self.forwards_off = 0
+        self.medians: tuple[float, float] | None = None  # (on, off) seconds, last probe
+
+    def forward(self, n_tokens: int) -> bool:
+        """A forward of ``n_tokens`` starts -> whether prefetch runs in it."""
+        now = self.clock()
+        if self._probing and self._last is not None and self._last[1] == n_tokens:
+            self._times[self.on].append(now - self._last[0])
+        self._last = (now, n_tokens)
+        if self._probing:
+            self._probe_step()
+        elif self._hold > 0:
+            self._hold -= 1
+        else:  # the next probe: on first
+            self._probing, self.on = True, True
+            self._times = {True: [], False: []}
+        if self.on:
+            self.forwards_on += 1
+        else:
+            self.forwards_off += 1
+        return self.on
+
+    def _probe_step(self) -> None:
+        if self.on and len(self._times[True]) >= PROBE_FORWARDS:
+            self.on = False
+        elif not self.on and len(self._times[False]) >= PROBE_FORWARDS:
+            on, off = (statistics.median(self._times[arm]) for arm in (True, False))
+            self.medians, self.probes, self._probing = (on, off), self.probes + 1, False
+            self.on = on < off * (1 - MARGIN)
+            if self.on:
+                self.probes_won += 1
+                self._hold, self._pause = RECHECK_FORWARDS, RECHECK_FORWARDS
+            else:
+                self._hold, self._pause = self._pause, min(2 * self._pause, MAX_RECHECK)
+
+    def as_dict(self) -> dict:
+        on, off = self.medians or (0.0, 0.0)
+        return {"on_now": self.on, "probes": self.probes, "probes_won": self.probes_won,
+                "forwards_on": self.forwards_on, "forwards_off": self.forwards_off,
+                "probe_on_seconds": on, "probe_off_seconds": off}
 
 
 PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
@@ -218,14 +300,26 @@ class ReadWorker:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def submit(self, job: ReadJob) -> None:
+    def submit(self, jobs: list[ReadJob]) -> None:
+        """Queue reads in order; one wake-up of the worker for all of them."""
+        if not jobs:
+            return
         with self._cv:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="moeswap-prefetch",
                                                 daemon=True)
                 self._thread.start()
-            self._queue.append(job)
+            self._queue.extend(jobs)
             self._cv.notify_all()
+
+    def cancel_waiting(self) -> list[ReadJob]:
+        """Drop every read that has not started -> those reads."""
+        with self._cv:
+            dropped = list(self._queue)
+            for job in dropped:
+                job.state = CANCELLED
+            self._queue.clear()
+            return dropped
 
     def cancel(self, job: ReadJob) -> bool:
         """Drop a read that has not started -> True; False when it runs or ran."""

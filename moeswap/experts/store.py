@@ -23,7 +23,9 @@ picks with a routing weight under it are dropped and the rest rescaled, and it i
 low-bit copies held in RAM instead of read from the file (moeswap.experts.lowbit); counted.
 
 With ``prefetch`` on, each layer step first reads guesses for the next layers into host slots on
-a worker thread (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
+a worker thread, and on a CUDA device tier uploads the guesses worth moving on the copy stream;
+a throttle turns all of it off where it does not measurably pay (moeswap.experts.prefetch;
+docs/OFFLOAD.md, "Prefetch").
 
 Legend: N tokens, T tokens of one piece, K picks per token, D model width, F expert width,
 M picks of one expert.
@@ -155,6 +157,8 @@ class ExpertStore:
         self._unread: set[tuple[int, int]] = set()  # host-resident, read cancelled: no bytes
         self._unused: dict[tuple[int, int], float] = {}  # prefetched, not asked for yet: the
         # seconds of its read that nobody waited for
+        self._to_upload: set[tuple[int, int]] = set()  # device guesses waiting for their read
+        self._prefetch_on = False  # the throttle's word for the current forward
         if options.prefetch != "off" and options.prefetch_depth > 0 and host_slots:
             self.prefetch = Prefetcher(options.prefetch, options.prefetch_depth, layers,
                                        routers or {}, self.layouts[layers[0]].n_experts,
@@ -187,7 +191,7 @@ class ExpertStore:
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
-        if self.prefetch is not None:
+        if self.prefetch is not None and self._prefetch_running(layer, x.shape[0]):
             self._prefetch_ahead(layer, x, expert_ids)
         return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
 
@@ -356,12 +360,32 @@ class ExpertStore:
             self._bound[key] = _Slot(self.kernels, layout, self._slot_array(pool, index))
         return self._bound[key]
 
-    # -- prefetch (moeswap.experts.prefetch): guesses read into host slots on the worker ------
+    # -- prefetch (moeswap.experts.prefetch): guesses read into host slots on the worker, and
+    # uploaded on the copy stream of a CUDA device tier -----------------------------------
+
+    def _prefetch_running(self, layer: int, n_tokens: int) -> bool:
+        """The throttle decides at each forward's first MoE layer, for the whole forward."""
+        if layer == next(iter(self.layouts)):
+            was, self._prefetch_on = self._prefetch_on, self.prefetch.throttle.forward(n_tokens)
+            if was and not self._prefetch_on:
+                self._pause_prefetch()
+        return self._prefetch_on
+
+    def _pause_prefetch(self) -> None:
+        """Prefetch turns off: reads not started are dropped (their slots stay, unread)."""
+        for job in self.worker.cancel_waiting():
+            key = (job.layout.layer, job.expert)
+            del self._reads[key]
+            self._unread.add(key)
+            self.prefetch.counts.cancelled += 1
+        self._to_upload.clear()
+        self.prefetch.pause()
 
     def _prefetch_ahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """Before a layer step: check the guesses made for it, drop stale reads, then reserve
-        host slots for the next layers' guesses and hand their reads to the worker. This
-        layer's experts are pinned: a guess whose admission would evict one puts it back."""
+        host slots for the next layers' guesses and hand their reads to the worker in one
+        batch. This layer's experts are pinned: a guess whose admission would evict one puts
+        it back."""
         needed = {(layer, e) for e in ids.flatten().tolist()}
         self.prefetch.observe(layer, ids)
         for key, job in list(self._reads.items()):
@@ -372,42 +396,68 @@ class ExpertStore:
                 del self._reads[key]  # a stale guess: its slot stays reserved, without bytes
                 self._unread.add(key)
                 self.prefetch.counts.cancelled += 1
-        pinned = set(needed)
-        for key in self.prefetch.guesses(layer, x, ids):
-            if self.worker.waiting >= self.prefetch.queue_bound:
+        pinned, jobs = set(needed), []
+        guesses = self.prefetch.guesses(layer, x, ids)
+        for key in guesses:
+            if self.worker.waiting + len(jobs) >= self.prefetch.queue_bound:
                 break  # the link is busy with earlier guesses
             if key in self.policies["device"] or key in self.policies["host"]:
                 pinned.add(key)
-            else:
-                self._reserve(key, pinned)
+            elif self._admit("host", key, pinned):
+                index = self.pools["host"].take(key)
+                self.slots["host"][key] = index
+                jobs.append(ReadJob(self.layouts[key[0]], key[1], self.pools["host"].slot(index)))
+                self._reads[key] = jobs[-1]
+                pinned.add(key)
+        self.worker.submit(jobs)
+        self.prefetch.counts.reads += len(jobs)
+        if self.on_torch_device and self.pools["device"].n_slots:
+            self._upload_ahead(layer, guesses, pinned)
 
-    def _reserve(self, key: tuple[int, int], pinned: set) -> None:
-        host = self.policies["host"]
-        step = host.access(key)
+    def _upload_ahead(self, layer: int, guesses: list[tuple[int, int]], pinned: set) -> None:
+        """Guesses the cost model would move to the device go there now, on the copy stream,
+        once their host bytes are in (a read in flight: at a later step, if still ahead)."""
+        self._to_upload = {k for k in self._to_upload if k[0] > layer}  # the rest is stale
+        for key in [*sorted(self._to_upload), *guesses]:
+            if key in self.policies["device"] or key not in self.slots["host"] or \
+                    key in self._unread or not self._worth_uploading(key[0]):
+                continue
+            if key in self._reads:
+                self._to_upload.add(key)
+            elif self._admit("device", key, pinned):
+                self._to_upload.discard(key)
+                self._load("device", key, self.pools["host"].slot(self.slots["host"][key]))
+                self.prefetch.counts.uploads += 1
+                pinned.add(key)
+
+    def _worth_uploading(self, layer: int) -> bool:
+        """Would the cost model move this layer's expert for one token?"""
+        mode, rates, size = self.planner.mode, self.planner.rates, self.layouts[layer].expert_bytes
+        return mode == "transfer" or (
+            mode == "auto" and rates.transfer_seconds(size, 1) < rates.compute_seconds(size, 1))
+
+    def _admit(self, tier: str, key: tuple[int, int], pinned: set) -> bool:
+        """A guess asks ``tier``'s policy in; a pinned victim goes back and what that evicts
+        leaves instead; freed slots follow the policy -> whether the guess is in."""
+        policy = self.policies[tier]
+        step = policy.access(key)
         if not step.admitted:
-            return
+            return False
         gone = [] if step.evicted is None else [step.evicted]
         touched = {key, *gone}
-        for _ in range(len(pinned)):  # a pinned victim goes back; what that evicts goes instead
+        for _ in range(len(pinned)):
             back = next((k for k in gone if k in pinned), None)
             if back is None:
                 break
             gone.remove(back)
-            again = host.access(back)
+            again = policy.access(back)
             if again.evicted is not None:
                 gone.append(again.evicted)
                 touched.add(again.evicted)
         for k in touched:  # the policy has decided; the slots follow it
-            if k in self.slots["host"] and k not in host:
-                self._evict("host", k, self.layer_stats[k[0]])
-        if key in host:
-            index = self.pools["host"].take(key)
-            self.slots["host"][key] = index
-            job = ReadJob(self.layouts[key[0]], key[1], self.pools["host"].slot(index))
-            self._reads[key] = job
-            self.worker.submit(job)
-            self.prefetch.counts.reads += 1
-            pinned.add(key)
+            if k in self.slots[tier] and k not in policy:
+                self._evict(tier, k, self.layer_stats[k[0]])
+        return key in policy
 
     def _read_done(self, key: tuple[int, int], job: ReadJob) -> None:
         if job.error is not None:
