@@ -139,10 +139,11 @@ def main() -> int:
     traces = [trace_for(model, args.work_dir, n_predict) for model, n_predict in models]
     if args.prepare:
         return 0
-    from moeswap.experts.probe import cached_rates
+    from moeswap.experts.probe import cached_overheads, cached_rates
     from moeswap.planner.rates import plan_rates
 
     cached_rates(args.threads, refresh=args.refresh_probe)
+    print(f"fixed costs: {cached_overheads(args.threads, refresh=args.refresh_probe)}")
     print(f"rates: {plan_rates({}, threads=str(args.threads)).source}")
     print("| model | expert share | --host-mem MiB | predicted hit rate | predicted tok/s | "
           "measured tok/s | error | store stats |")

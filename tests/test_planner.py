@@ -26,7 +26,7 @@ from moeswap.planner import plan_model, report
 from moeswap.planner.distributed import plan_multi_gpu
 from moeswap.planner.llama_cpp import EXPERT_PATTERN, GPU_RESERVE, plan_llama_cpp
 from moeswap.planner import rates as planner_rates
-from moeswap.planner.placement import LAYER_STEP_SECONDS, Budget, make_plan
+from moeswap.planner.placement import Budget, make_plan
 from moeswap.planner.rates import DEFAULT_OVERHEADS, PlanRates, plan_rates
 from moeswap.planner.replayed import lru_hit_rate
 from moeswap.planner.sizes import model_sizes
@@ -182,12 +182,12 @@ def test_rates_from_flags_over_defaults(tmp_path):
     rates = plan_rates({"disk_read": 2e9, "link": None}, cache=tmp_path / "none.json")
     assert rates.rates.disk_read == 2e9 and "conservative defaults" in rates.source
     assert rates.overheads == DEFAULT_OVERHEADS
-    assert "read latency and call costs: conservative defaults" in rates.source
+    assert "read latency and step costs: conservative defaults" in rates.source
 
 
 # --- fixed costs: cold-read latency and product calls ------------------------------------------
 
-LADDER = Overheads(read_seconds=((4096, 1e-4), (65536, 3e-4)), expert_call=2e-5)
+LADDER = Overheads(read_seconds=((4096, 1e-4), (65536, 3e-4)), layer_step=4e-4, expert_call=5e-5)
 
 
 def test_read_seconds_between_and_beyond_the_probes_sizes():
@@ -204,14 +204,13 @@ def test_decode_step_by_hand_with_every_expert_missing(mixtral_file):
     """No expert slots: each token's 2 experts per layer are read, 3 pieces of 8 KiB each."""
     s = sizes_of(mixtral_file)
     assert s.expert_pieces_by_layer == {0: (8192,) * 3, 1: (8192,) * 3}
-    assert s.expert_products_by_layer == {0: 3, 1: 3}
     rates = PlanRates(RATES.rates, "test", LADDER)  # RAM 1e10 B/s
     plan = make_plan(s, Budget(0, _need(s, 64), 64), rates)
     assert plan.host_slots == 0 and plan.hits.total == 0.0
     shared = (118016 - 31 * 64 * 4) / 1e10  # every shared byte but 31 embedding rows
-    blocks = 2 * LAYER_STEP_SECONDS
+    blocks = 2 * 4e-4
     read_piece = 1e-4 + 2e-4 * (8192 - 4096) / (65536 - 4096)
-    per_expert = 24576 / 1e10 + 3 * read_piece + 3 * 2e-5  # compute, 3 cold reads, 3 calls
+    per_expert = 24576 / 1e10 + 3 * read_piece + 5e-5  # compute, 3 cold reads, serving it
     experts = 2 * 2 * per_expert  # 2 layers x 2 distinct experts of one token
     cache = 128 * 4 * 64 / 1e10  # float32 K and V of 64 positions
     assert plan.decode_tokens_per_second == pytest.approx(1 / (shared + blocks + experts + cache))
@@ -220,18 +219,23 @@ def test_decode_step_by_hand_with_every_expert_missing(mixtral_file):
 def test_probe_cache_overheads_measured_when_absent_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setattr(probe.platform, "node", lambda: "box")
     monkeypatch.setattr(planner_rates.platform, "node", lambda: "box")
-    monkeypatch.setattr(probe, "measure_overheads", lambda threads, folder: LADDER)
+    measured = []
+    monkeypatch.setattr(probe, "measure_overheads",
+                        lambda threads, folder, host_compute: measured.append(host_compute) or LADDER)
     old = {"disk_read": 2e9, "link": 3e9, "host_compute": 4e9, "device_compute": 4e9}
     cache = tmp_path / "probe.json"
     cache.write_text(json.dumps({"box threads=1": old, "box threads=all": old}))
     assert probe.read_overheads(cache) == {}  # written before the overheads were measured
-    assert probe.cached_rates(1, cache) == Rates(**old)  # the rates kept, the overheads added
+    assert plan_rates({}, cache).overheads == DEFAULT_OVERHEADS
+    assert probe.cached_overheads(1, cache) == LADDER and measured == [4e9]
+    assert probe.cached_overheads(1, cache) == LADDER and measured == [4e9]  # cached
+    assert probe.read_cache(cache)["box", "1"] == Rates(**old)  # the rates kept
     assert probe.read_overheads(cache) == {("box", "1"): LADDER}
-    assert json.loads(cache.read_text())["box threads=1"]["read_seconds"] == [[4096, 1e-4],
-                                                                          [65536, 3e-4]]
+    entry = json.loads(cache.read_text())["box threads=1"]
+    assert entry["read_seconds"] == [[4096, 1e-4], [65536, 3e-4]] and entry["layer_step"] == 4e-4
     one = plan_rates({}, cache, threads="1")
     assert one.overheads == LADDER and one.rates == Rates(**old)
-    assert "read latency and call costs: moeswap probe" in one.source
+    assert "read latency and step costs: moeswap probe" in one.source
     assert plan_rates({}, cache).overheads == LADDER  # the all-threads entry has none: any other
 
 
@@ -239,7 +243,7 @@ def test_probe_cache_with_bad_overheads_is_damaged(tmp_path):
     rates = {"disk_read": 2e9, "link": 3e9, "host_compute": 4e9, "device_compute": 4e9}
     cache = tmp_path / "probe.json"
     cache.write_text(json.dumps({"box threads=1": {**rates, "read_seconds": [[4096, -1]],
-                                                   "expert_call": 2e-5}}))
+                                                   "layer_step": 4e-4, "expert_call": 5e-5}}))
     with pytest.raises(MoeswapError, match="overheads that are not positive numbers"):
         probe.read_overheads(cache)
 
@@ -450,3 +454,16 @@ def test_llama_cpp_applies_the_planned_overrides_to_exactly_those_tensors():
     size = next(line for line in _LOG if "llama_kv_cache: size =" in line)
     k_mib = float(re.search(r"K \(f16\):\s+([\d.]+) MiB", size).group(1))
     assert k_mib == round(s.kv_bytes(4096, 2) / 2 / MiB, 2)
+
+
+def test_step_costs_measured_on_the_synthetic_model(tmp_path, monkeypatch):
+    from moeswap.planner import step_costs
+
+    step_costs.write_model(tmp_path / "synthetic.gguf")
+    s = sizes_of(tmp_path / "synthetic.gguf")
+    assert (s.config.n_layer, s.n_expert, s.top_k, s.moe_layers) == (4, 8, 2, [0, 1, 2, 3])
+    assert s.expert_pieces_by_layer[0] == (256 * 512 * 34 // 32,) * 3  # Q8_0 gate, up, down
+    monkeypatch.setattr(step_costs, "ROUNDS", 1)
+    monkeypatch.setattr(step_costs, "DECODE_STEPS", 4)
+    layer_step, expert_call = step_costs.measure_step_costs(1e10, 1, tmp_path)
+    assert 0 < layer_step < 0.1 and 0 < expert_call < 0.1

@@ -6,10 +6,11 @@ kernels (bytes of weights per second), and the link: a RAM copy on a CPU-only ma
 CUDA, a pinned host-to-device copy, and the device tier's own product for ``device_compute``.
 For the planner, also the fixed costs those rates miss (``Overheads``): the seconds of one cold
 read at each of a ladder of sizes (as the expert store reads an expert piece: ``preadv``, then
-``DONTNEED``), and of one tiny expert product as the store issues it.
+``DONTNEED``), and the runtime's seconds per block and per expert served in a decode step,
+measured on a small synthetic model (``moeswap.planner.step_costs``).
 The result is cached as JSON (default ``~/.cache/moeswap/probe.json``) keyed by host name and
-thread count, and reused until ``refresh`` is asked for; an entry without the overheads (written
-before they were measured) gets them measured and added.
+thread count, and reused until ``refresh`` is asked for; the overheads are measured and added
+to an entry by ``cached_overheads``.
 """
 
 from __future__ import annotations
@@ -35,15 +36,16 @@ DEFAULT_CACHE = Path.home() / ".cache" / "moeswap" / "probe.json"
 _SIZE = 64 << 20  # bytes per measurement: large enough to leave the CPU caches
 READ_SIZES = tuple(4096 << 2 * i for i in range(7))  # 4 KiB to 16 MiB, x4 apart
 _READS_PER_SIZE = 64  # at most; fewer where they would cover more than the scratch file
-OVERHEAD_KEYS = ("read_seconds", "expert_call")
+OVERHEAD_KEYS = ("read_seconds", "layer_step", "expert_call")
 
 
 @dataclass(frozen=True)
 class Overheads:
-    """Fixed costs the bandwidths miss."""
+    """Fixed costs the bandwidths miss, in seconds."""
 
     read_seconds: tuple[tuple[int, float], ...]  # (bytes, seconds of one cold read), ascending
-    expert_call: float  # seconds of one tiny expert product as the store issues it
+    layer_step: float  # one block of a decode step, its bytes apart (torch work, dispatch)
+    expert_call: float  # one expert served by the store, its bytes apart (Python, products)
 
 
 def _best_seconds(action, repeats: int = 5) -> float:
@@ -105,29 +107,16 @@ def _cold_reads(fd: int, view: memoryview, n_reads: int, rng: np.random.Generato
             os.posix_fadvise(fd, int(offset), size, os.POSIX_FADV_DONTNEED)
 
 
-def measure_expert_call(kernels: CpuKernels) -> float:
-    """Seconds of one product of a tiny one-expert Q8_0 stack (64 x 64: its bytes cost nothing)
-    for one token, with the row gather and scatter around it, as ``ExpertStore`` issues each."""
-    width = 64
-    raw = quantize_rows(np.random.default_rng(0).standard_normal((width, width), dtype=np.float32),
-                        GGMLQuantizationType.Q8_0)
-    stack = kernels.experts(raw, GGMLQuantizationType.Q8_0, (width, width, 1), "probe")
-    x, out = torch.ones(2, width), torch.zeros(2, width)  # [tokens, D]
-    picks = torch.tensor([1])
+def measure_overheads(threads: int | None = None, folder: str | os.PathLike | None = None,
+                      host_compute: float | None = None) -> Overheads:
+    """The read ladder and the runtime's per-block and per-expert step costs (measured on a
+    synthetic model: ``moeswap.planner.step_costs``; its bytes at ``host_compute``)."""
+    from moeswap.planner.step_costs import measure_step_costs
 
-    def call():
-        rows = x[picks // 1]  # [M, D]
-        zeros = torch.zeros(rows.shape[0], 1, dtype=torch.int32)
-        out[picks] = stack.matmul(rows, zeros)[:, 0]
-
-    call()
-    repeats = 200
-    return _best_seconds(lambda: [call() for _ in range(repeats)], 5) / repeats
-
-
-def measure_overheads(threads: int | None = None,
-                      folder: str | os.PathLike | None = None) -> Overheads:
-    return Overheads(measure_read_seconds(folder), measure_expert_call(CpuKernels(threads)))
+    if host_compute is None:
+        host_compute = measure_cpu_compute(CpuKernels(threads))
+    layer_step, expert_call = measure_step_costs(host_compute, threads, folder)
+    return Overheads(measure_read_seconds(folder), layer_step, expert_call)
 
 
 def measure_ram_copy() -> float:
@@ -198,7 +187,8 @@ def _entries(cache: Path) -> dict[str, dict]:
         if not all(_positive(rates[name]) for name in names):
             raise _damaged(cache, f"entry {key!r} has a rate that is not a positive number")
         if "expert_call" in rates and not (
-                _positive(rates["expert_call"]) and isinstance(rates["read_seconds"], list)
+                _positive(rates["expert_call"]) and _positive(rates["layer_step"])
+                and isinstance(rates["read_seconds"], list)
                 and rates["read_seconds"]
                 and all(isinstance(p, list) and len(p) == 2 and all(map(_positive, p))
                         for p in rates["read_seconds"])):
@@ -234,7 +224,7 @@ def read_overheads(cache: Path = DEFAULT_CACHE) -> dict[tuple[str, str], Overhea
             host, _, threads = key.rpartition(" threads=")
             result[host, threads] = Overheads(
                 tuple((int(size), float(seconds)) for size, seconds in entry["read_seconds"]),
-                entry["expert_call"])
+                entry["layer_step"], entry["expert_call"])
     return result
 
 
@@ -249,13 +239,26 @@ def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
             raise
         entries = {}
     key = _key(threads)
-    folder = cache.parent if cache.parent.exists() else None
     if refresh or key not in entries:
-        entries[key] = asdict(probe(threads, folder))
-    if "expert_call" not in entries[key]:
-        overheads = measure_overheads(threads, folder)
-        entries[key].update(read_seconds=[list(p) for p in overheads.read_seconds],
-                            expert_call=overheads.expert_call)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps(entries, indent=1))
+        entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None))
+        _write(cache, entries)
     return Rates(**{f.name: entries[key][f.name] for f in fields(Rates)})
+
+
+def cached_overheads(threads: int | None = None, cache: Path = DEFAULT_CACHE,
+                     refresh: bool = False) -> Overheads:
+    """This machine's cached fixed costs for the planner; measured (and added to the entry,
+    whose rates are measured first where absent) when there are none, or with ``refresh``."""
+    rates = cached_rates(threads, cache)
+    entries, key = _entries(cache), _key(threads)
+    if refresh or "expert_call" not in entries[key]:
+        overheads = measure_overheads(threads, cache.parent, rates.host_compute)
+        entries[key].update(read_seconds=[list(p) for p in overheads.read_seconds],
+                            layer_step=overheads.layer_step, expert_call=overheads.expert_call)
+        _write(cache, entries)
+    return read_overheads(cache)[platform.node(), str(threads or "all")]
+
+
+def _write(cache: Path, entries: dict) -> None:
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(entries, indent=1))

@@ -24,11 +24,6 @@ from moeswap.routing.traces import RoutingTrace
 
 PREFILL_PIECE = 32  # tokens per kernel call (moeswap.quant.kernels.MAX_TOKENS_PER_CALL)
 Q4_K_M_BITS = 4.85  # bits per weight of a typical Q4_K_M file, for the "lower-bit quant" advice
-# Fixed costs the bandwidth terms miss, measured with `moeswap run --threads 1` on the project's
-# 2-core machine (docs/PLANNER.md): the torch work of one block per step (attention, norms,
-# router, dispatch), and one expert product issued by the store (two per picked expert).
-LAYER_STEP_SECONDS = 0.39e-3
-EXPERT_CALL_SECONDS = 38e-6
 THRASH = ("no hits: fewer expert slots than one token's k x MoE-layer requests, which an LRU "
           "cycles through (pin a profile's hot set with --profile to do better)")
 NO_PROFILE_HIT = ("no profile: uniform routing assumed, so the hit rate is the resident share "
@@ -174,12 +169,12 @@ def step_seconds(sizes: ModelSizes, hits: HitRates, plan_rates: PlanRates, n_tok
     layer's E experts, T tokens picking k each use E(1 - (1 - k/E)^T) distinct ones; a miss is
     read from the file, one cold read per piece as the store reads it (the probe's time for a
     read of that size), and computed where it lies (the cost model's choice on a CPU). Each
-    expert costs its products' fixed call time (the probe's); each block LAYER_STEP_SECONDS:
-    on a small model the fixed costs dominate."""
-    rates = plan_rates.rates
+    block and each expert served add the probe's fixed step costs: on a small model they
+    dominate."""
+    rates, fixed = plan_rates.rates, plan_rates.overheads
     reads = math.ceil(n_tokens / TOKENS_PER_READ)
     seconds = sizes.active_shared_bytes * reads / rates.host_compute
-    seconds += sizes.config.n_layer * LAYER_STEP_SECONDS
+    seconds += sizes.config.n_layer * fixed.layer_step
     n, k = sizes.n_expert, sizes.top_k
     if n and k:
         distinct = n * (1 - (1 - k / n) ** n_tokens)
@@ -189,8 +184,7 @@ def step_seconds(sizes: ModelSizes, hits: HitRates, plan_rates: PlanRates, n_tok
             compute = (hits.device / rates.device_compute
                        + (hits.host + miss) / rates.host_compute) * expert_reads
             read = sum(map(plan_rates.read_seconds, sizes.expert_pieces_by_layer[layer]))
-            calls = sizes.expert_products_by_layer[layer] * plan_rates.overheads.expert_call
-            seconds += distinct * (size * compute + miss * read + calls)
+            seconds += distinct * (size * compute + miss * read + fixed.expert_call)
     seconds += sizes.kv_bytes(context, 4, sequences) / rates.host_compute  # attention reads the cache
     return seconds
 

@@ -1,6 +1,6 @@
 """The tier bandwidths a plan predicts speed from: flags, else ``moeswap probe``'s cache, else
-stated conservative defaults; and the fixed costs they miss (one cold read, one expert product)
-from the same cache, else stated defaults. Reading the cache never measures (``moeswap probe``
+stated conservative defaults; and the fixed costs they miss (a cold read's latency, a block's
+and an expert's step work) from the same cache, else stated defaults. Reading the cache never measures (``moeswap probe``
 does)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from moeswap.experts.probe import DEFAULT_CACHE, Overheads, read_cache, read_ove
 # a consumer GPU's product over quantized bytes well under its memory bandwidth.
 DEFAULT_RATES = Rates(disk_read=0.5e9, link=10e9, host_compute=8e9, device_compute=300e9)
 # Conservative fixed costs: a cold read waits 0.2 ms before its bytes flow (a SATA SSD's random
-# read; then disk_read), and one expert product costs 50 us of dispatch (this runtime's Python
-# on a slow core).
-DEFAULT_OVERHEADS = Overheads(read_seconds=((0, 0.2e-3),), expert_call=50e-6)
+# read; then disk_read); a block of a decode step costs 0.5 ms of torch work and each expert the
+# store serves 0.1 ms (this runtime's Python on a slow core; `moeswap probe` measures both).
+DEFAULT_OVERHEADS = Overheads(read_seconds=((0, 0.2e-3),), layer_step=0.5e-3, expert_call=0.1e-3)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def plan_rates(overrides: dict[str, float | None], cache: Path = DEFAULT_CACHE,
         source += "; given: " + ", ".join(sorted(given))
     overheads = probe_cache_overheads(cache, threads)
     if overheads is None:
-        return PlanRates(replace(base, **given), source + "; read latency and call costs: "
+        return PlanRates(replace(base, **given), source + "; read latency and step costs: "
                          "conservative defaults (run `moeswap probe` to measure)")
-    return PlanRates(replace(base, **given), source + "; read latency and call costs: moeswap "
+    return PlanRates(replace(base, **given), source + "; read latency and step costs: moeswap "
                      "probe", overheads)

@@ -31,7 +31,6 @@ class ModelSizes:
     active_bytes_per_token: int  # shared weights a token reads + top-k experts of every MoE layer
     expert_bytes_by_layer: dict[int, int]  # one routed expert of each MoE layer
     expert_pieces_by_layer: dict[int, tuple[int, ...]]  # bytes of each piece the store reads
-    expert_products_by_layer: dict[int, int]  # products per expert: gate, up, down or gate_up, down
     layer_bytes: dict[int, int]  # every tensor of a block except its routed experts
     input_bytes: int  # token embedding tables: llama.cpp keeps them on the CPU
     output_bytes: int  # output norm and head (token_embd again when tied): the GPU's with -ngl all
@@ -103,7 +102,6 @@ def model_sizes(gf: GGUFFile) -> ModelSizes:
         expert_bytes_by_layer={layer.index: view.expert_bytes(layer) for layer in moe},
         expert_pieces_by_layer={layout.layer: tuple(part.expert_bytes for part in layout.parts)
                                 for layout in layouts},
-        expert_products_by_layer={layout.layer: len(layout.matrices) for layout in layouts},
         layer_bytes=layer_bytes, input_bytes=embedding, output_bytes=output,
         slot_bytes=slot_bytes(layouts),
         shared_elements=sum(math.prod(t.shape) for t in gf.tensors
