@@ -38,12 +38,13 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "(counted in the stats; default: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
-    # Off by default: on the built-in model it was measured slower than no prefetch
+    # On by default: a throttle keeps it only where forwards are measured faster with it
     # (docs/OFFLOAD.md, "Prefetch measurements").
-    g.add_argument("--prefetch", choices=PREDICTORS, default="off",
+    g.add_argument("--prefetch", choices=PREDICTORS, default="gate",
                    help="read the next layers' likely experts from disk while a layer computes, "
                         "guessed by the next router on this layer's input (gate), by routing "
-                        "history (history) or both; turned down where guesses do not pay (off)")
+                        "history (history) or both; turned off by itself where forwards are not "
+                        "measured faster with it (gate)")
     g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
     g.add_argument("--replay-routing", metavar="TRACE",
@@ -122,6 +123,11 @@ def prefetch_lines(s: dict, stalled: float) -> list[str]:
              f"{s['bytes_wasted'] / 2**20:.1f} MiB wasted, {s['cancelled']} stale cancelled; "
              f"stalled {stalled:.2f} s (waiting on prefetch {s['wait_seconds']:.2f} s), "
              f"without prefetch about {stalled + s['hidden_seconds']:.2f} s"]
+    a = s["adaptive"]
+    lines.append(f"prefetch throttle: on in {a['forwards_on']} forwards, off in "
+                 f"{a['forwards_off']}; {a['probes_won']} of {a['probes']} probes kept it on"
+                 + (f" (last: {a['probe_on_seconds'] * 1e3:.1f} ms per forward on, "
+                    f"{a['probe_off_seconds'] * 1e3:.1f} ms off)" if a["probes"] else ""))
     for layer, by_depth in s["layers"].items():
         parts = [f"depth {d}: recall {a['recall']:.0%} precision {a['precision']:.0%}"
                  f"{'' if a['reads_enabled'] else ' (reads off)'}"
