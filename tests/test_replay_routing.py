@@ -171,16 +171,25 @@ def test_a_trace_of_another_shape_is_refused_by_name(model_path, tmp_path, shape
     assert "moeswap trace" in message and "moeswap import-trace" in message
 
 
-def test_unreadable_traces_and_recording_a_replay_are_refused(model_path, tmp_path):
+def test_a_recorder_beside_the_replay_gets_the_replayed_decisions(model_path, tmp_path):
+    trace = write_trace(tmp_path / "t.npz")
+    recorder = RoutingRecorder(router_probs=True)
+    model = load_model(model_path, threads=1, recorder=recorder,
+                       replay=RoutingReplay.load(tmp_path / "t.npz"))
+    prefill_and_decode(model)  # 12 positions: rows 0-9, then 0-1 again
+    got = recorder.trace(model="m", arch="qwen3moe", layers=[0, 1], n_experts=E, k=K)
+    rows = [p % trace.n_tokens for p in range(12)]
+    assert np.array_equal(got.expert_ids, trace.expert_ids[rows, :LAYERS])
+    assert np.array_equal(got.weights, trace.weights[rows, :LAYERS])
+    assert got.router_probs is None  # the router's distribution is not what ran
+
+
+def test_unreadable_traces_are_refused(model_path, tmp_path):
     with pytest.raises(MoeswapError, match="no such trace file"):
         RoutingReplay.load(tmp_path / "absent.npz")
     (tmp_path / "text.npz").write_text("not a trace")
     with pytest.raises(MoeswapError, match="moeswap import-trace"):
         RoutingReplay.load(tmp_path / "text.npz")
-    write_trace(tmp_path / "t.npz")
-    with pytest.raises(MoeswapError, match="drop --trace or --replay-routing"):
-        load_model(model_path, threads=1, recorder=RoutingRecorder(),
-                   replay=RoutingReplay.load(tmp_path / "t.npz"))
     trace = write_trace(tmp_path / "t.npz", n_tokens=3)
     trace.expert_ids[:, 0] = NO_EXPERT
     trace.save(tmp_path / "empty.npz")

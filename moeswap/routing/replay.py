@@ -13,7 +13,9 @@ specification; in short:
 - weights: the trace's gate weights as recorded; where a (token, layer) lacks any, each of its
   k picks gets 1/k.
 
-The model's router still runs and its answer is dropped, so timings include the router.
+The model's router still runs and its answer is dropped, so timings include the router. A
+recorder given beside the replay (``--trace``, the server's activity view) is handed the replayed
+decisions, the ones that ran, without router probabilities.
 
 Legend: N tokens of a forward's batch, K experts per token, R replay rows, L used layers.
 """
@@ -32,12 +34,12 @@ from moeswap.routing.traces import NO_EXPERT, RoutingTrace
 class RoutingReplay:
     """One trace's decisions, fitted to one model by ``attach``.
 
-    To the engine it is a DecisionRecorder that only listens to the batch layout
-    (``begin_forward``: which position each batch row holds); ``ReplayedExperts`` then asks it
-    for each MoE layer's decisions of those rows.
+    To the engine it is the DecisionRecorder: it learns the batch layout (``begin_forward``:
+    which position each batch row holds) and passes the replayed decisions on to the recorder it
+    wraps, if any; ``ReplayedExperts`` asks it for each MoE layer's decisions of those rows.
     """
 
-    router_probs = False  # the DecisionRecorder interface: never wants the router distribution
+    router_probs = False  # the DecisionRecorder interface: the router's distribution is not replayed
 
     def __init__(self, trace: RoutingTrace, path: str):
         self.trace, self.path = trace, path
@@ -47,6 +49,7 @@ class RoutingReplay:
         self.uniform_rows = 0  # rows with a layer whose weights the trace lacks (given 1/k)
         self.rows = torch.zeros(0, dtype=torch.long)  # [N] replay row of each batch row
         self.replaced = 0  # (token, layer) decisions replaced so far
+        self.recorder = None  # handed the replayed decisions (moeswap.models.moe.DecisionRecorder)
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingReplay:
@@ -56,10 +59,8 @@ class RoutingReplay:
     def attach(self, config, model: str, experts, recorder):
         """Fit the trace to ``config`` (a ModelConfig of ``model``) and return what the engine is
         built with: (expert runner that replays, recorder), in place of (experts, recorder)."""
-        if recorder is not None:
-            raise MoeswapError(f"{self.path}: replayed routing cannot be recorded as a trace (it "
-                               "would be this trace again); drop --trace or --replay-routing")
         self._fit(config, model)
+        self.recorder = recorder
         return ReplayedExperts(experts, self), self
 
     def _fit(self, config, model: str) -> None:
@@ -102,19 +103,28 @@ class RoutingReplay:
     def begin_forward(self, spans: list[tuple[int, int]], starts: list[int], sequences: list) -> None:
         positions = [torch.arange(start, start + end - begin) for (begin, end), start in zip(spans, starts)]
         self.rows = torch.cat(positions) % self.n_rows  # [N]
+        if self.recorder is not None:
+            self.recorder.begin_forward(spans, starts, sequences)
 
     def record(self, layer: int, expert_ids, weights, router_probs) -> None:
-        """The model's own decisions: replaced, so not kept."""
+        """Called with the model's own decisions, which are replaced: the wrapped recorder gets
+        the replayed ones."""
+        if self.recorder is not None:
+            ids, replayed = self._lookup(layer, len(expert_ids))
+            self.recorder.record(layer, ids, replayed.to(weights.dtype), None)
 
     # -- what ReplayedExperts asks ---------------------------------------------------------------
 
     def decisions(self, layer: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace's (expert ids [N, K], weights [N, K]) for this forward's rows at a model block."""
+        self.replaced += n_tokens
+        return self._lookup(layer, n_tokens)
+
+    def _lookup(self, layer: int, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         if n_tokens != len(self.rows):
             raise RuntimeError(f"MoE layer {layer} got {n_tokens} tokens, the forward announced "
                                f"{len(self.rows)}")
         column = self.columns[layer]
-        self.replaced += n_tokens
         return self.ids[self.rows, column], self.weights[self.rows, column]
 
     def stats(self) -> dict:
