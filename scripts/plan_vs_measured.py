@@ -1,22 +1,27 @@
 """Predicted (``moeswap plan``) versus measured (``moeswap run``) decode tokens/s at a few budgets.
 
-    python scripts/plan_vs_measured.py --gb 2.2 --prepare   # once, without the bench lock
-    flock /tmp/moeswap-bench.lock python scripts/plan_vs_measured.py --gb 2.2 --refresh-probe
+    python scripts/plan_vs_measured.py --generated /tmp/moeswap-models/mixtral-shaped-2.2gb-q8_0.gguf \
+        --replay-routing humaneval.npz --plan-routing gsm8k.jsonl --prepare   # untimed, no lock
+    flock /tmp/moeswap-bench.lock python scripts/plan_vs_measured.py --generated ... \
+        --replay-routing humaneval.npz --plan-routing gsm8k.jsonl --refresh-probe
 
-Models: the shipped trained model and, with ``--gb``, a generated Mixtral-shaped Q8_0 model that
-big (scripts/bench_decode.py's writer; kept in --work-dir, written under a temporary name and
-renamed). The generated model's random weights route near-uniformly, and that is the routing
-measured.
+Models: the shipped trained model and, with ``--generated FILE`` (or ``--gb``: one written that
+big by scripts/bench_decode.py's writer into --work-dir), a generated Mixtral-shaped Q8_0 model.
 
-For each model a routing trace is recorded first from a run on a different prompt than the
-measured one (``moeswap run --trace``, as long as the measured run): the plan's hit rates come
-from it (``moeswap plan --profile TRACE.npz``: the store's LRU replayed over it), and the
-measured runs use the store's default policy, LRU. ``--prepare`` only writes the generated model
-and the traces (untimed). ``--refresh-probe`` measures this machine's rates and fixed costs again
-(``moeswap probe --refresh``, the runs' thread count) before anything is timed: the plan is
-calibrated from the probe only.
+The plan's hit rate comes from a routing trace of other text than the measured run (``moeswap
+plan --profile TRACE.npz``: the store's LRU replayed over it); the measured runs use the store's
+default policy, LRU, with prefetch off (the plan does not model prefetch). The shipped model:
+the trace is recorded from a run on PROFILE_PROMPT, the measured runs decode PROMPT. The
+generated model's random router spreads near-uniformly, so for realistic routing its measured
+runs replay a recorded trace (``--replay-routing``, trace layer i driving MoE layer i) and the
+plan replays another one (``--plan-routing``, .npz or the .jsonl `moeswap import-trace` reads,
+cut to the model's MoE layers the same way); without them, its own routing on PROFILE_PROMPT.
 
-For each host budget (shared weights + KV cache + staging + a share of the routed experts), the
+``--prepare`` only writes the generated model and the traces (untimed). ``--refresh-probe``
+measures this machine's rates and fixed costs again (``moeswap probe``, the runs' thread count)
+before anything is timed: the plan is calibrated from the probe only.
+
+For each host budget (shared weights + KV cache + staging + a share of the expert slots), the
 plan's prediction is computed from the file's header, the model file is dropped from the page
 cache, and the run is a fresh ``moeswap run`` subprocess with cold reads (``--cold-reads``: the
 disk tier is the disk), greedy, one thread. A row passes when the prediction is within +-25 % of
@@ -31,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +45,14 @@ PROMPT = "def parse_args(argv):\n    "
 # the trace's text: other code, so the measured run's routing is not the trace's own
 PROFILE_PROMPT = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push("
 TOLERANCE = 0.25
+
+
+@dataclass(frozen=True)
+class Case:
+    model: Path
+    n_predict: int
+    plan_trace: Path  # the plan's hit rates: the store's LRU replayed over it
+    replay: Path | None = None  # the measured runs' routing, when not the model's own
 
 
 def moeswap(*args: str) -> subprocess.CompletedProcess:
@@ -75,68 +89,115 @@ def trace_for(model: Path, work_dir: Path, n_predict: int) -> Path:
     return trace
 
 
+def fitted_trace(source: Path, model: Path, work_dir: Path) -> Path:
+    """``source`` (.npz, or .jsonl imported) cut to the model's MoE layers: trace layer i is MoE
+    layer i, as ``--replay-routing`` maps them (kept in work_dir)."""
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.planner.sizes import model_sizes
+    from moeswap.routing.traces import RoutingTrace
+
+    gf = GGUFFile.open(model)
+    try:
+        layers = model_sizes(gf).moe_layers
+    finally:
+        gf.close()
+    fitted = work_dir / f"{source.stem}-{len(layers)}layers.trace.npz"
+    if fitted.exists():
+        return fitted
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if source.suffix != ".npz":
+        imported = work_dir / f"{os.getpid()}.{source.stem}.npz"
+        moeswap("import-trace", str(source), "-o", str(imported))
+        source = imported
+    trace = RoutingTrace.load(source)
+    n = len(layers)
+    cut = RoutingTrace(model=trace.model, arch=trace.arch, layers=layers,
+                       n_experts=trace.n_experts, k=trace.k, prompt_offsets=trace.prompt_offsets,
+                       expert_ids=trace.expert_ids[:, :n], weights=trace.weights[:, :n],
+                       phase=trace.phase, prompt_names=trace.prompt_names,
+                       source=f"{trace.source}, first {n} layers")
+    partial = work_dir / f"{os.getpid()}.{fitted.name}"
+    cut.save(partial)
+    partial.rename(fitted)
+    return fitted
+
+
 def drop_from_page_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fdatasync(fd)  # dirty pages would stay
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 
 
-def measured_decode(model: Path, host_bytes: int, n_predict: int,
-                    threads: int) -> tuple[float, str]:
+def measured_decode(case: Case, host_bytes: int, threads: int) -> tuple[float, str]:
     """(decode tokens/s, the store's stats line) of one ``moeswap run`` (default policy: LRU)."""
-    drop_from_page_cache(model)
-    done = moeswap("run", str(model), "-p", PROMPT, "-n", str(n_predict), "--temp", "0",
-                   "--threads", str(threads), "--host-mem", str(host_bytes), "--cold-reads")
+    drop_from_page_cache(case.model)
+    replay = ["--replay-routing", str(case.replay)] if case.replay else []
+    done = moeswap("run", str(case.model), "-p", PROMPT, "-n", str(case.n_predict), "--temp", "0",
+                   "--threads", str(threads), "--host-mem", str(host_bytes), "--cold-reads",
+                   "--prefetch", "off", *replay)
     speed = re.search(r"decode: \d+ tokens, ([\d.]+) tokens/s", done.stderr)
     stats = next((line for line in done.stderr.splitlines() if line.startswith("experts:")), "")
     return float(speed.group(1)), stats
 
 
-def rows_for(model: Path, trace: Path, shares: list[float], n_predict: int,
-             threads: int) -> list[str]:
+def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
     from moeswap.planner import plan_model
     from moeswap.planner.placement import Budget
     from moeswap.planner.rates import plan_rates
 
-    context = len(PROMPT.encode()) + 1 + n_predict  # what `moeswap run` charges the store for
+    context = len(PROMPT.encode()) + 1 + case.n_predict  # what `moeswap run` charges the store
     rates = plan_rates({}, threads=str(threads))
-    floor = plan_model(model, Budget(0, 1 << 50, context), rates).moeswap
+    floor = plan_model(case.model, Budget(0, 1 << 50, context), rates).moeswap
     rows = []
     for share in shares:
         host = floor.host_charged + int(share * floor.all_experts) * floor.sizes.slot_bytes
-        plan = plan_model(model, Budget(0, host, context), rates, str(trace)).moeswap
-        measured, stats = measured_decode(model, host, n_predict, threads)
+        plan = plan_model(case.model, Budget(0, host, context), rates, str(case.plan_trace)).moeswap
+        measured, stats = measured_decode(case, host, threads)
         predicted = plan.decode_tokens_per_second
         error = predicted / measured - 1
         verdict = "PASS" if abs(error) <= TOLERANCE else "FAIL"
-        rows.append(f"| {model.name} | {share:.0%} | {host / 2**20:.1f} | {plan.hits.total:.1%} | "
-                    f"{predicted:.2f} | {measured:.2f} | {error:+.0%} {verdict} | {stats} |")
+        rows.append(f"| {case.model.name} | {share:.0%} | {host / 2**20:.1f} | "
+                    f"{plan.hits.total:.1%} | {predicted:.2f} | {measured:.2f} | "
+                    f"{error:+.0%} {verdict} | {stats} |")
         print(rows[-1], flush=True)
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gb", type=float, help="also a generated Mixtral-shaped model this big")
+    parser.add_argument("--generated", type=Path, help="also this generated model")
+    parser.add_argument("--gb", type=float, help="or a generated Mixtral-shaped model this big")
+    parser.add_argument("--replay-routing", type=Path,
+                        help="a trace (.npz) whose routing the generated model's runs replay")
+    parser.add_argument("--plan-routing", type=Path,
+                        help="a trace of other text (.npz or .jsonl) for the generated model's plan")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/moeswap-models"),
                         help="where the generated model and the traces are kept")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.5, 1.0],
                         help="routed-expert shares of the host budget (0.1 0.5 1.0)")
     parser.add_argument("-n", "--n-predict", type=int, default=64)
-    parser.add_argument("--gen-n-predict", type=int, default=16,
-                        help="tokens decoded on the generated model (16)")
+    parser.add_argument("--gen-n-predict", type=int, default=24,
+                        help="tokens decoded on the generated model (24)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prepare", action="store_true",
                         help="only write the generated model and the traces")
     parser.add_argument("--refresh-probe", action="store_true",
                         help="measure the probe's rates and fixed costs again first")
     args = parser.parse_args()
-    models = [(SHIPPED, args.n_predict)]
-    if args.gb:
-        models.append((generated_model(args.work_dir, args.gb), args.gen_n_predict))
-    traces = [trace_for(model, args.work_dir, n_predict) for model, n_predict in models]
+    if bool(args.replay_routing) != bool(args.plan_routing):
+        parser.error("--replay-routing and --plan-routing go together")
+    cases = [Case(SHIPPED, args.n_predict, trace_for(SHIPPED, args.work_dir, args.n_predict))]
+    generated = args.generated or (generated_model(args.work_dir, args.gb) if args.gb else None)
+    if generated and args.replay_routing:
+        cases.append(Case(generated, args.gen_n_predict,
+                          fitted_trace(args.plan_routing, generated, args.work_dir),
+                          args.replay_routing))
+    elif generated:
+        cases.append(Case(generated, args.gen_n_predict,
+                          trace_for(generated, args.work_dir, args.gen_n_predict)))
     if args.prepare:
         return 0
     from moeswap.experts.probe import cached_overheads, cached_rates
@@ -149,8 +210,10 @@ def main() -> int:
           "measured tok/s | error | store stats |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for (model, n_predict), trace in zip(models, traces):
-        rows += rows_for(model, trace, args.shares, n_predict, args.threads)
+    for case in cases:
+        print(f"{case.model.name}: plan routing {case.plan_trace.name}; measured routing "
+              f"{case.replay.name + ' replayed' if case.replay else 'its own'}", flush=True)
+        rows += rows_for(case, args.shares, args.threads)
     return 0 if all("PASS" in row for row in rows) else 1
 
 
