@@ -67,7 +67,9 @@ def markdown(report: dict) -> str:
     m, v, model = report["machine"], report["versions"], report["model"]
     lines = [f"Command: `{report['command']}` ({report['date']})", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {mib(m['ram_bytes'])} MiB RAM, {m['os']}; "
-             f"threads {report['threads']} for both engines.",
+             f"threads {report['threads']} for both engines; load average (1, 5, 15 min) "
+             f"{report['load_average']['start']} at the start, {report['load_average']['end']} "
+             "at the end.",
              "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".",
              f"Model: {model['path']} ({model['file_bytes'] / 1e6:.1f} MB; {model['n_expert']} "
              f"experts top-{model['n_used']} in {model['moe_layers']} MoE layers; one expert "

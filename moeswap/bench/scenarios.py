@@ -145,7 +145,7 @@ def build_runs(plan: Plan, inputs: Inputs, encode, facts: ModelFacts) -> list[Ru
     both engines are then given (so they see the same tokens)."""
     s = plan.sizes
     long_ids = encode(inputs.conversation)[: s.long_context - s.gen_tokens]
-    if len(long_ids) < s.long_context - s.gen_tokens:
+    if "long" in plan.scenarios and len(long_ids) < s.long_context - s.gen_tokens:
         raise MoeswapError(f"the long conversation is {len(long_ids)} tokens for this model, "
                            f"fewer than --long-context {s.long_context} asks; lower it")
     conflict = cut(encode(inputs.conflict), s.prompt_cap)

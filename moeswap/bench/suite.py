@@ -31,6 +31,7 @@ def run_bench(plan: Plan, inputs_dir: Path, out_dir: Path, timeout_s: float | No
     tokenizer = load_tokenizer(Path(plan.model))
     runs = build_runs(plan, Inputs.read(inputs_dir), tokenizer.encode, facts)
     (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    load_before = load_average()
     records = []
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total} runs"), TimeElapsedColumn(), console=console,
@@ -46,7 +47,8 @@ def run_bench(plan: Plan, inputs_dir: Path, out_dir: Path, timeout_s: float | No
             progress.console.print(f"{spec.scenario}: {spec.label}: {status}", markup=False)
             progress.advance(task)
     report = {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "machine": machine(), "versions": versions(), "model": asdict(facts),
+              "machine": machine(), "load_average": {"start": load_before, "end": load_average()},
+              "versions": versions(), "model": asdict(facts),
               "sizes": asdict(plan.sizes), "threads": plan.threads, "runs": records}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out_dir / "report.md").write_text(markdown(report) + "\n")
@@ -59,6 +61,14 @@ def with_merit(record: dict) -> dict:
     ok = record["status"] == "ok" and record.get("decode_tok_s") and record.get("peak_rss_bytes")
     record["tok_s_per_gb"] = record["decode_tok_s"] / (record["peak_rss_bytes"] / 1e9) if ok else None
     return record
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages: other work on the machine slows every run."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def machine() -> dict:
