@@ -1,6 +1,6 @@
 """Predicted (``moeswap plan``) versus measured (``moeswap run``) decode tokens/s at a few budgets.
 
-    python scripts/plan_vs_measured.py --generated /tmp/moeswap-models/mixtral-shaped-2.2gb-q8_0.gguf \
+    python scripts/plan_vs_measured.py --generated mixtral-shaped-2.2gb-q8_0.gguf \
         --replay-routing humaneval.npz --plan-routing gsm8k.jsonl --prepare   # untimed, no lock
     flock /tmp/moeswap-bench.lock python scripts/plan_vs_measured.py --generated ... \
         --replay-routing humaneval.npz --plan-routing gsm8k.jsonl --refresh-probe
@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("--replay-routing", type=Path,
                         help="a trace (.npz) whose routing the generated model's runs replay")
     parser.add_argument("--plan-routing", type=Path,
-                        help="a trace of other text (.npz or .jsonl) for the generated model's plan")
+                        help="a trace of other text (.npz, .jsonl) for the generated model's plan")
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/moeswap-models"),
                         help="where the generated model and the traces are kept")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.5, 1.0],

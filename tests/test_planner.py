@@ -220,8 +220,12 @@ def test_probe_cache_overheads_measured_when_absent_and_read_back(tmp_path, monk
     monkeypatch.setattr(probe.platform, "node", lambda: "box")
     monkeypatch.setattr(planner_rates.platform, "node", lambda: "box")
     measured = []
-    monkeypatch.setattr(probe, "measure_overheads",
-                        lambda threads, folder, host_compute: measured.append(host_compute) or LADDER)
+
+    def measure(threads, folder, host_compute):
+        measured.append(host_compute)
+        return LADDER
+
+    monkeypatch.setattr(probe, "measure_overheads", measure)
     old = {"disk_read": 2e9, "link": 3e9, "host_compute": 4e9, "device_compute": 4e9}
     cache = tmp_path / "probe.json"
     cache.write_text(json.dumps({"box threads=1": old, "box threads=all": old}))

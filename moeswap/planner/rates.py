@@ -1,7 +1,7 @@
 """The tier bandwidths a plan predicts speed from: flags, else ``moeswap probe``'s cache, else
 stated conservative defaults; and the fixed costs they miss (a cold read's latency, a block's
-and an expert's step work) from the same cache, else stated defaults. Reading the cache never measures (``moeswap probe``
-does)."""
+and an expert's step work) from the same cache, else stated defaults. Reading the cache never
+measures (``moeswap probe`` does)."""
 
 from __future__ import annotations
 
