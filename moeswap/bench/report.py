@@ -59,8 +59,17 @@ def ratio_rows(runs: list[dict]) -> list[str]:
             continue
         cells = [f"{run[k] / reference[k]:.2f}x" if run[k] and reference[k] else "-"
                  for k in RATIOS]
+        cells.append("- (replayed routing)" if run["replay_routing"] else
+                     agreement(run["outputs"], reference["outputs"]))
         lines.append(f"| {run['label']} | " + " | ".join(cells) + " |")
     return lines
+
+
+def agreement(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """How many greedy tokens equal llama.cpp's before the first difference, over all prompts."""
+    same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+               for x, y in zip(ours, theirs))
+    return f"{same} of {sum(map(len, theirs))}"
 
 
 def markdown(report: dict) -> str:
@@ -91,7 +100,8 @@ def markdown(report: dict) -> str:
         ratios = ratio_rows(runs)
         if ratios:
             lines += ["", "moeswap / llama.cpp (all in RAM):", "",
-                      "| run | decode | prompt | all tokens/s | decode tok/s per GB |",
-                      "|---|---:|---:|---:|---:|", *ratios]
+                      "| run | decode | prompt | all tokens/s | decode tok/s per GB "
+                      "| greedy tokens as llama.cpp's (up to the first difference) |",
+                      "|---|---:|---:|---:|---:|---|", *ratios]
         lines.append("")
     return "\n".join(lines)
