@@ -28,6 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (8)")
     p.add_argument("--queue", type=int, default=64,
                    help="requests that may wait for a batch slot; more get 429 (64)")
+    p.add_argument("--step-tokens", type=int, default=512,
+                   help="tokens per forward step, all requests together; longer prompts are "
+                        "prefilled in chunks. Bounds a step's working memory (512)")
     p.set_defaults(handler=run_serve)
 
     c = subparsers.add_parser("chat", help="chat with a model in the terminal, streamed")
@@ -59,7 +62,8 @@ def run_serve(args) -> int:
     from moeswap.server.app import ServerOptions, create_app
     from moeswap.server.batching import BatchOptions
 
-    batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx)
+    batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
+                         step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
                             ctx_policy=args.ctx_policy, api_key=args.api_key)
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used

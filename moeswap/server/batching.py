@@ -3,11 +3,17 @@ per step.
 
 Requests wait in a bounded queue (``submit`` raises ``QueueFull`` when it is full: the server's
 429). Between steps, waiting requests join the batch while it has fewer than ``max_batch``;
-a joining request's whole prompt goes into the same forward call as the running requests'
-last tokens, so the MoE layers route all of them together and each expert is fetched once per
-step for every token that picked it. Each request keeps its own KV cache and sampler; a
-cancelled request (its client went away) leaves the batch before the next step and its cache
-is dropped. A request ends at a stop id, at ``max_tokens``, or when its sequence fills ``ctx``.
+a joining request's prompt goes into the same forward call as the running requests' last
+tokens, so the MoE layers route all of them together and each expert is fetched once per step
+for every token that picked it. A step carries at most ``step_tokens`` tokens: running requests'
+one each first, then prompts in order of arrival, a long prompt cut into chunks over several
+steps (chunked prefill) — which bounds a step's working memory (activations, logits) and keeps
+a long prompt from stalling everyone's next token. Each request keeps its own KV cache and
+sampler; a cancelled request (its client went away) leaves the batch before the next step and
+its cache is dropped. A request ends at a stop id, at ``max_tokens``, or when its sequence fills
+``ctx``. After each step, freed heap memory goes back to the system (``malloc_trim`` on glibc):
+otherwise the allocator keeps the steps' and caches' freed blocks, and the process grew with
+every request served (docs/SERVER.md, "Load test").
 
 Events go back through each request's ``on_event`` callback, called on the batching thread:
 the callback must only hand the event over (put it on a queue), never block.
@@ -15,6 +21,8 @@ the callback must only hand the event over (put it on a queue), never block.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 from collections import deque
@@ -40,11 +48,15 @@ class BatchOptions:
     max_batch: int = 8  # requests decoded together
     queue_size: int = 64  # requests waiting to join the batch
     ctx: int = 4096  # positions per request: prompt and generated tokens
+    step_tokens: int = 512  # tokens per forward call; longer prompts are prefilled in chunks
 
     def __post_init__(self):
-        for name in ("max_batch", "queue_size", "ctx"):
+        for name in ("max_batch", "queue_size", "ctx", "step_tokens"):
             if getattr(self, name) < 1:
                 raise MoeswapError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.step_tokens < self.max_batch:
+            raise MoeswapError(f"--step-tokens {self.step_tokens} is below --max-batch "
+                               f"{self.max_batch}: every running request needs a token per step")
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,17 @@ class Counters:
         return tokens / window
 
 
+def heap_trimmer() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``: returns the heap's free pages to the system (a no-op where
+    the C library has no such call)."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return lambda: None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: trim(0)
+
+
 class BatchScheduler:
     def __init__(self, model: Any, options: BatchOptions):
         self.model = model
@@ -106,6 +129,7 @@ class BatchScheduler:
         self._model_lock = threading.Lock()  # held while the model computes a step
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._trim_heap = heap_trimmer()
 
     def start(self) -> None:
         self._stopping = False
@@ -190,27 +214,49 @@ class BatchScheduler:
                 for request in list(self._active):
                     self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
 
+    def _feeds(self) -> list[tuple[Request, int]]:
+        """(request, how many of its unfed tokens) for this step, at most ``step_tokens`` in
+        all: a decoding request's one token first, then prompts (chunks) in order of arrival."""
+        left = self.options.step_tokens
+        feeds = []
+        for request in sorted(self._active, key=lambda r: len(r.ids) - r.fed > 1):  # stable
+            n = min(len(request.ids) - request.fed, left)
+            if n:
+                feeds.append((request, n))
+                left -= n
+        return feeds
+
     def _step(self) -> None:
+        ended = sum(self.counters.requests_finished.values())
+        prefill = any(len(r.ids) - r.fed > 1 for r in self._active)
+        self._decode()
+        if prefill or sum(self.counters.requests_finished.values()) != ended:
+            self._trim_heap()  # the steps that free big blocks: prompts' and ended caches'
+
+    def _decode(self) -> None:
         for request in [r for r in self._active if r.cancelled]:
             self._finish(request, "cancelled")
-        batch = list(self._active)
-        if not batch:
+        feeds = self._feeds()
+        if not feeds:
             return
+        batch = [r for r, _ in feeds]
         started = time.perf_counter()
         try:
             with self._model_lock:
                 logits = self.model.forward(
-                    [torch.tensor(r.ids[r.fed:], dtype=torch.long) for r in batch],
+                    [torch.tensor(r.ids[r.fed:r.fed + n], dtype=torch.long) for r, n in feeds],
                     [r.cache for r in batch])
         except Exception as e:  # a failed step ends its requests, never the server
             for request in batch:
                 self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
             return
         produced = 0
-        for request, rows in zip(batch, logits):
+        for (request, n), rows in zip(feeds, logits):
             if request.fed == 0:
                 self.counters.prompt_tokens += len(request.ids)
-            request.fed = len(request.ids)
+            request.fed += n
+            if request.fed < len(request.ids):
+                continue  # a prompt chunk: its next chunk comes in a later step
             try:
                 token = request.sampler.next_token(rows[-1], request.ids)
             except Exception as e:  # e.g. settings that overflow: ends this request only
