@@ -471,3 +471,29 @@ def test_step_costs_measured_on_the_synthetic_model(tmp_path, monkeypatch):
     monkeypatch.setattr(step_costs, "DECODE_STEPS", 4)
     layer_step, expert_call = step_costs.measure_step_costs(1e10, 1, tmp_path)
     assert 0 < layer_step < 0.1 and 0 < expert_call < 0.1
+
+
+def test_replayed_lru_matches_the_stores_decode_hits(tmp_path, capsys):
+    """The store's own hit count over the decode steps (a run of 9 tokens less a run of 1) equals
+    the replay of that run's trace, on the shipped model at a quarter of the slots."""
+    prompt = "def parse_args(argv):\n    "
+    trace = tmp_path / "run.npz"
+    assert main(["run", str(SHIPPED), "-p", prompt, "-n", "9", "--temp", "0",
+                 "--trace", str(trace)]) == 0
+    s = sizes_of(SHIPPED)
+    slots = s.n_expert * len(s.moe_layers) // 4
+    host = s.shared_bytes + s.store_kv_bytes(len(prompt.encode()) + 10) + (s.top_k + slots) * \
+        s.slot_bytes
+
+    def store_counts(n_predict):
+        capsys.readouterr()
+        assert main(["run", str(SHIPPED), "-p", prompt, "-n", str(n_predict), "--temp", "0",
+                     "--host-mem", str(host), "--prefetch", "off"]) == 0
+        line = re.search(r"experts: (\d+) used, hit rate \S+ \(device 0, host (\d+)\)",
+                         capsys.readouterr().err)
+        return int(line.group(1)), int(line.group(2))
+
+    (requests_1, hits_1), (requests_9, hits_9) = store_counts(1), store_counts(9)
+    rate, requests = lru_hit_rate(RoutingTrace.load(trace), slots)
+    assert requests == requests_9 - requests_1 == 8 * s.top_k * len(s.moe_layers)
+    assert rate * requests == pytest.approx(hits_9 - hits_1)
