@@ -3,7 +3,8 @@
 Starts `moeswap serve MODEL` on a free loopback port (flags this script does not know go to it:
 --host-mem, --threads ...), opens the page in Debian's chromium through selenium, types the
 prompt, and saves the page once the reply has streamed --wait-chars characters (the expert
-grid then shows that step's experts).
+grid then shows that step's experts). --background N sends N other completions at the same
+time, so that the page shows a batch.
 
     python scripts/screenshot_server_page.py moeswap/data/stdlib-moe-q8_0.gguf \
         docs/images/server-page.png --prompt "def parse_args(" --host-mem 20MiB --threads 1
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import httpx
@@ -51,6 +53,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--wait-chars", type=int, default=200)
     p.add_argument("--size", default="1200,720", help="window width,height in CSS pixels")
+    p.add_argument("--background", type=int, default=0, help="other requests sent meanwhile")
     args, serve_flags = p.parse_known_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
@@ -82,6 +85,11 @@ def main() -> int:
             box = driver.find_element(By.ID, field)
             box.clear()
             box.send_keys(str(value))
+        model = driver.find_element(By.ID, "model").text
+        for i in range(args.background):
+            body = {"model": model, "prompt": f"import os{i}", "max_tokens": args.max_tokens}
+            threading.Thread(target=httpx.post, args=(url + "v1/completions",),
+                             kwargs={"json": body, "timeout": None}, daemon=True).start()
         driver.find_element(By.ID, "prompt").send_keys(args.prompt, Keys.ENTER)
         reply = "const t = document.querySelectorAll('#transcript .turn.assistant'); " \
                 "return t.length ? t[t.length - 1].textContent.length : 0"

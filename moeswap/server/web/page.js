@@ -99,7 +99,7 @@ async function readEvents(response, onChunk) {
 // --- the expert cache -----------------------------------------------------------------------
 
 async function poll() {
-  let delay = state.abort ? 250 : 1000;
+  let delay = state.abort ? 100 : 1000;
   if (!state.authFailed) {
     try {
       const response = await fetch("/v1/moeswap/experts", { headers: headers(), cache: "no-store" });
@@ -205,9 +205,10 @@ function drawChart(canvas, values, fixedMax) {
   g.lineWidth = 1.5 * ratio;
   g.beginPath();
   let drawing = false;
-  values.forEach((v, i) => {
+  values.forEach((v, i) => {  // the newest sample at the right edge
     if (v === null || !isFinite(v)) { drawing = false; return; }
-    const x = width * i / Math.max(HISTORY - 1, 1), y = height - 2 * ratio - (height - 4 * ratio) * v / top;
+    const x = width - width * (values.length - 1 - i) / (HISTORY - 1);
+    const y = height - 2 * ratio - (height - 4 * ratio) * v / top;
     if (drawing) g.lineTo(x, y); else g.moveTo(x, y);
     drawing = true;
   });
