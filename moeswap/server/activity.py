@@ -22,7 +22,7 @@ class ExpertActivity:
 
     def __init__(self):
         self.step = 0  # forward calls so far
-        self.last_use: dict[int, dict[int, int]] = {}  # layer -> expert -> step
+        self._last: dict[int, torch.Tensor] = {}  # layer -> [X] step of last use, 0: never
 
     def begin_forward(self, spans, starts, sequences) -> None:
         self.step += 1
@@ -30,9 +30,19 @@ class ExpertActivity:
     def record(self, layer: int, expert_ids: torch.Tensor, weights: torch.Tensor,
                router_probs: torch.Tensor | None) -> None:
         """expert_ids [N, K]: the experts this step's N tokens picked in ``layer``."""
-        used = self.last_use.setdefault(layer, {})
-        for expert in torch.unique(expert_ids).tolist():
-            used[expert] = self.step
+        ids = expert_ids.reshape(-1).long()  # [N*K]
+        last = self._last.get(layer)
+        if last is None or last.numel() <= int(ids.max()):  # sized by the ids seen: X unknown here
+            grown = torch.zeros(int(ids.max()) + 1, dtype=torch.long)
+            if last is not None:
+                grown[:last.numel()] = last
+            last = self._last[layer] = grown
+        last[ids] = self.step  # one indexed write per layer: this runs inside every step
+
+    def last_use(self, layer: int, n_experts: int) -> list[int | None]:
+        """Per expert of ``layer``: the last step that used it, or None."""
+        last = self._last.get(layer, torch.zeros(0, dtype=torch.long)).tolist()
+        return [last[e] if e < len(last) and last[e] else None for e in range(n_experts)]
 
 
 def _tiers(runtime: Any, layers: list[int], n_experts: int) -> list[list[str]]:
@@ -48,7 +58,6 @@ def expert_view(runtime: Any, activity: ExpertActivity | None, scheduler: BatchS
     """The /v1/moeswap/experts body. Call between steps: it reads the store's slots."""
     config = runtime.config
     layers, n_experts = list(config.moe_layers), config.n_expert
-    last = activity.last_use if activity is not None else {}
     stats = runtime.stats()
     total = stats.get("total", {})
     c = scheduler.counters
@@ -59,7 +68,8 @@ def expert_view(runtime: Any, activity: ExpertActivity | None, scheduler: BatchS
         "layers": layers,
         "n_experts": n_experts,
         "tier": _tiers(runtime, layers, n_experts),
-        "last_use": [[last.get(layer, {}).get(e) for e in range(n_experts)] for layer in layers],
+        "last_use": [activity.last_use(layer, n_experts) if activity is not None
+                     else [None] * n_experts for layer in layers],
         "counters": {
             "prompt_tokens": c.prompt_tokens,
             "generated_tokens": c.generated_tokens,
