@@ -110,6 +110,8 @@ def fitted_trace(source: Path, model: Path, work_dir: Path) -> Path:
         moeswap("import-trace", str(source), "-o", str(imported))
         source = imported
     trace = RoutingTrace.load(source)
+    if source.parent == work_dir and source.name.startswith(f"{os.getpid()}."):
+        source.unlink()  # the import, kept no longer than this
     n = len(layers)
     cut = RoutingTrace(model=trace.model, arch=trace.arch, layers=layers,
                        n_experts=trace.n_experts, k=trace.k, prompt_offsets=trace.prompt_offsets,
