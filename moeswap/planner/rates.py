@@ -18,7 +18,7 @@ from moeswap.experts.probe import DEFAULT_CACHE, Overheads, read_cache, read_ove
 DEFAULT_RATES = Rates(disk_read=0.5e9, link=10e9, host_compute=8e9, device_compute=300e9)
 # Conservative fixed costs: a cold read waits 0.2 ms before its bytes flow (a SATA SSD's random
 # read; then disk_read); a block of a decode step costs 0.5 ms of torch work and each expert the
-# store serves 0.1 ms (this runtime's Python on a slow core; `moeswap probe` measures both).
+# store serves 0.1 ms (this runtime's Python on a slow core; probe.cached_overheads measures).
 DEFAULT_OVERHEADS = Overheads(read_seconds=((0, 0.2e-3),), layer_step=0.5e-3, expert_call=0.1e-3)
 
 
@@ -74,6 +74,6 @@ def plan_rates(overrides: dict[str, float | None], cache: Path = DEFAULT_CACHE,
     overheads = probe_cache_overheads(cache, threads)
     if overheads is None:
         return PlanRates(replace(base, **given), source + "; read latency and step costs: "
-                         "conservative defaults (run `moeswap probe` to measure)")
+                         "conservative defaults (not measured on this machine yet)")
     return PlanRates(replace(base, **given), source + "; read latency and step costs: moeswap "
                      "probe", overheads)
