@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.experts.device import TorchDeviceSlots
-from moeswap.experts.prefetch import PROBE_FORWARDS, RECHECK_FORWARDS, Prefetcher, Throttle
+from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, Prefetcher,
+                                      Throttle)
 from moeswap.experts.store import ExpertStore, StoreOptions
 from moeswap.experts.tiers import piece_offsets
 from moeswap.formats.config import config_from_gguf
@@ -334,6 +335,8 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     gate, read = threading.Event(), store.worker.disk.read_expert
     store.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
+    wait = store.worker.wait  # were the store to need the held read, it gets it
+    store.worker.wait = lambda job: (gate.set(), wait(job))[1]
     calls, guesses = [], store.prefetch.guesses
     store.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
     plan_on = iter([True, False, False])
@@ -350,7 +353,7 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
             assert calls == layers[:2] and store.worker.waiting > 0
     assert calls == layers[:2]  # off: no prediction at all
     assert store.worker.waiting == 0 and store.prefetch._pending == {}
-    assert all(job.state == "running" for job in store._reads.values())  # at most the held one
+    assert all(job.state in ("running", "done") for job in store._reads.values())  # the held one
     gate.set()
     store.close()
 
@@ -453,3 +456,14 @@ def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtra
             assert np.array_equal(pool.slot(index)[offset:offset + part.expert_bytes].numpy(),
                                   file_bytes[start:start + part.expert_bytes])
     with_prefetch.close()
+
+
+def test_throttle_cuts_a_probe_short_when_prefetch_costs_more_than_it_hides():
+    clock = _Clock()
+    t = Throttle(clock)
+    for forward in range(EARLY_FORWARDS):
+        assert t.forward(1)
+        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001  # 2 ms spent for 1 ms hidden
+        clock.now += 1.0
+    assert not t.forward(1) and (t.probes, t.probes_won) == (1, 0)
+    assert t.forwards_on == EARLY_FORWARDS and t._hold == RECHECK_FORWARDS

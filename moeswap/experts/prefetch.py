@@ -28,7 +28,9 @@ at ~0.6 ms on a busy 2-core machine, more than a small model's read takes.
 Above all of that, ``Throttle`` keeps prefetch from costing time: it times whole forwards with
 prefetch on and off (a probe of ``PROBE_FORWARDS`` each), keeps it on only where on was at least
 ``MARGIN`` faster, and otherwise turns it off completely (no prediction, no reads) for
-``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it keeps losing.
+``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it keeps losing. A probe is
+cut short, lost, after ``EARLY_FORWARDS`` on-forwards in which the store's thread spent longer
+on prefetch (predicting, handing reads over, waiting for them) than the load time it hid.
 
 Legend: N tokens, K picks per token, X experts of a layer.
 """
@@ -53,6 +55,7 @@ MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions 
 PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
 PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between probing reads
 PROBE_FORWARDS = 8  # timed forwards in each arm (on, off) of a throttle probe
+EARLY_FORWARDS = 3  # on-forwards after which a probe whose cost exceeds what it hid is lost
 MARGIN = 0.03  # prefetch stays on only when its forwards' median is this much under off's
 RECHECK_FORWARDS = 256  # forwards between probes; doubled after each probe prefetch loses
 MAX_RECHECK = 4096
@@ -233,6 +236,7 @@ class Throttle:
         self._last: tuple[float, int] | None = None  # (start, tokens) of the current forward
         self.probes = self.probes_won = self.forwards_on = self.forwards_off = 0
         self.medians: tuple[float, float] | None = None  # (on, off) seconds, last probe
+        self.cost = self.hidden = 0.0  # this probe: seconds prefetch took from / saved the store
 
     def forward(self, n_tokens: int) -> bool:
         """A forward of ``n_tokens`` starts -> whether prefetch runs in it."""
@@ -247,6 +251,7 @@ class Throttle:
         else:  # the next probe: on first
             self._probing, self.on = True, True
             self._times = {True: [], False: []}
+            self.cost = self.hidden = 0.0
         if self.on:
             self.forwards_on += 1
         else:
@@ -254,17 +259,22 @@ class Throttle:
         return self.on
 
     def _probe_step(self) -> None:
-        if self.on and len(self._times[True]) >= PROBE_FORWARDS:
+        timed_on = len(self._times[True])
+        if self.on and timed_on >= EARLY_FORWARDS and self.cost > self.hidden:
+            self._decide(False, (statistics.median(self._times[True]), 0.0))
+        elif self.on and timed_on >= PROBE_FORWARDS:
             self.on = False
         elif not self.on and len(self._times[False]) >= PROBE_FORWARDS:
             on, off = (statistics.median(self._times[arm]) for arm in (True, False))
-            self.medians, self.probes, self._probing = (on, off), self.probes + 1, False
-            self.on = on < off * (1 - MARGIN)
-            if self.on:
-                self.probes_won += 1
-                self._hold, self._pause = RECHECK_FORWARDS, RECHECK_FORWARDS
-            else:
-                self._hold, self._pause = self._pause, min(2 * self._pause, MAX_RECHECK)
+            self._decide(on < off * (1 - MARGIN), (on, off))
+
+    def _decide(self, won: bool, medians: tuple[float, float]) -> None:
+        self.medians, self.probes, self._probing, self.on = medians, self.probes + 1, False, won
+        if won:
+            self.probes_won += 1
+            self._hold, self._pause = RECHECK_FORWARDS, RECHECK_FORWARDS
+        else:
+            self._hold, self._pause = self._pause, min(2 * self._pause, MAX_RECHECK)
 
     def as_dict(self) -> dict:
         on, off = self.medians or (0.0, 0.0)

@@ -192,7 +192,9 @@ class ExpertStore:
             weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
         if self.prefetch is not None and self._prefetch_running(layer, x.shape[0]):
+            started = time.perf_counter()
             self._prefetch_ahead(layer, x, expert_ids)
+            self.prefetch.throttle.cost += time.perf_counter() - started
         return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -478,6 +480,7 @@ class ExpertStore:
         waited = self.worker.wait(job)
         stats.stall_seconds += waited
         self.prefetch.counts.wait_seconds += waited
+        self.prefetch.throttle.cost += waited
         self._read_done(key, job)
         if key in self._unused:
             self._unused[key] = max(job.seconds - waited, 0.0)
@@ -491,7 +494,9 @@ class ExpertStore:
         if key in self._unused:
             self.prefetch.read_outcome(key[0], used=True)
             self.prefetch.counts.used += 1
-            self.prefetch.counts.hidden_seconds += self._unused.pop(key)
+            hidden = self._unused.pop(key)
+            self.prefetch.counts.hidden_seconds += hidden
+            self.prefetch.throttle.hidden += hidden
         if key not in self._unread:
             return True
         self._unread.discard(key)
