@@ -111,7 +111,7 @@ def worker(args) -> None:
     if held_on and factory.store.prefetch is not None:
         factory.store.prefetch.throttle.forward = lambda n_tokens: True
     stats = GenerationStats()
-    tokens = list(rt.generate(PROMPT, args.tokens, temperature=0, stats=stats))
+    tokens = list(rt.generate(args.prompt, args.tokens, temperature=0, stats=stats))
     s = rt.stats()
     row = {"setting": args.setting, "tokens": tokens, "tok_s": stats.decode_tokens_per_second,
            "stall_s": s["total"]["stall_seconds"], "disk_mib": s["total"]["disk_bytes"] / 2**20}
@@ -133,7 +133,7 @@ def table(args) -> None:
             command = [sys.executable, __file__, "worker", "--model", str(args.model),
                        "--setting", name, "--tokens", str(args.tokens), "--experts-share",
                        str(args.experts_share), "--threads", str(args.threads), "--link",
-                       args.link, "--predictor", args.predictor]
+                       args.link, "--predictor", args.predictor, "--prompt", args.prompt]
             if args.replay_routing:
                 command += ["--replay-routing", args.replay_routing]
             done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -158,7 +158,8 @@ def table(args) -> None:
     link = ("cold disk reads" if args.link == "disk" else
             f"simulated link {args.link.split(':', 1)[1]} GB/s (page cache + sleep)")
     lines = [f"model {args.model.name}{tag}, {link}, predictor {args.predictor}, experts share "
-             f"{args.experts_share:.0%}, {args.tokens} tokens, medians of {args.repeats} "
+             f"{args.experts_share:.0%}, prompt {args.prompt!r}, {args.tokens} tokens, "
+             f"medians of {args.repeats} "
              "interleaved repeats (min-max)", "",
              "| prefetch | decode tok/s | vs off | stall s | load s hidden (share) | "
              "recall d1 / d2 / d4 | forwards on / off | reads used / issued |",
@@ -223,6 +224,7 @@ def main() -> None:
         p.add_argument("--link", default="disk", help="disk, or simulated:GBPS")
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--tokens", type=int, default=32)
+        p.add_argument("--prompt", default=PROMPT)
         p.add_argument("--experts-share", type=float, default=0.25)
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--steps", type=int, default=10_000)

@@ -191,8 +191,9 @@ def test_recall_and_precision_on_a_hand_built_routing_sequence():
                                  "precision": 0.5, "reads_enabled": True}
     assert (layers[2][1]["recall"], layers[2][1]["precision"]) == (1.0, 1.0)
     assert (layers[2][2]["recall"], layers[2][2]["precision"]) == (0.0, 0.0)
-    assert layers[2][2]["reads_enabled"]  # one miss does not yet turn a depth off
-    for _ in range(10):  # a depth that keeps missing stops reading, and is still measured
+    assert not layers[2][2]["reads_enabled"]  # trust starts at MIN_PRECISION: one miss is enough
+    assert layers[2][1]["reads_enabled"]
+    for _ in range(10):  # a depth that keeps missing reads nothing, and is still measured
         p.guesses(0, x0, torch.tensor([[0, 1]]))
         p.observe(1, torch.tensor([[0, 1]]))
         p.guesses(1, x1, torch.tensor([[0, 1]]))
@@ -433,8 +434,8 @@ def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtra
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
     generator = torch.Generator().manual_seed(3)
     for step in range(12):
+        x = torch.randn(2, 64, generator=generator)  # every layer sees it: the guesses are right
         for layer in layers:
-            x = torch.randn(2, 64, generator=generator)
             ids, weights = routers[layer](x)
             needed = {(layer, e) for e in ids.flatten().tolist()}
             on_device = needed & set(with_prefetch.slots["device"])

@@ -101,7 +101,8 @@ class Accuracy:
     guessed: int = 0
     actual: int = 0
     hits: int = 0
-    precision_now: float = 1.0  # running precision (PRECISION_MEMORY); starts trusting
+    precision_now: float = MIN_PRECISION  # running precision (PRECISION_MEMORY); a first
+    # check below MIN_PRECISION turns the pair's reads off (still checked: it may come back)
 
     def check(self, guess: set[int], actual: set[int]) -> None:
         hits = len(guess & actual)
