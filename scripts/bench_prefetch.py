@@ -126,10 +126,11 @@ def worker(args) -> None:
 
 
 def table(args) -> None:
-    rows: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    names = ["off", *(name for name in args.settings if name != "off")]
+    rows: dict[str, list[dict]] = {name: [] for name in names}
     started = time.perf_counter()
     for repeat in range(args.repeats):
-        for name in SETTINGS:  # interleaved: slow drifts of the machine hit every setting alike
+        for name in names:  # interleaved: slow drifts of the machine hit every setting alike
             command = [sys.executable, __file__, "worker", "--model", str(args.model),
                        "--setting", name, "--tokens", str(args.tokens), "--experts-share",
                        str(args.experts_share), "--threads", str(args.threads), "--link",
@@ -164,12 +165,13 @@ def table(args) -> None:
              "| prefetch | decode tok/s | vs off | stall s | load s hidden (share) | "
              "recall d1 / d2 / d4 | forwards on / off | reads used / issued |",
              "|---|---|---|---|---|---|---|---|"]
-    for name in SETTINGS:
+    for name in names:
         speed = statistics.median(r["tok_s"] for r in rows[name])
         extra = ["-", "-", "-"]
         if name != "off":
             extra = [" / ".join(cell(name, f"recall{d}", ".0%").split(" (")[0]
                                 for d in DEPTHS),
+                     "all (held)" if SETTINGS[name][1] else
                      " / ".join(f"{statistics.median(r[k] for r in rows[name]):.0f}"
                                 for k in ("on", "off")),
                      " / ".join(f"{statistics.median(r[k] for r in rows[name]):.0f}"
@@ -229,6 +231,8 @@ def main() -> None:
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--steps", type=int, default=10_000)
         p.add_argument("--setting", choices=SETTINGS, default="depth 2")
+        p.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                       help="table: the settings compared (off always)")
         p.add_argument("--markdown")
     args = ap.parse_args()
     {"table": table, "worker": worker, "stress": stress}[args.command](args)
