@@ -1,11 +1,13 @@
 """Evaluate the built-in model as shipped (its GGUF, through moeswap) for the model card.
 
 Held-out loss on the same fixed windows training used, the unigram and dense baselines from
-the training logs, routing measured on held-out text with moeswap's recorder, and greedy
+the training logs, both final checkpoints compared on every held-out token (with a paired
+bootstrap interval over windows), routing measured on held-out text with moeswap's recorder, and greedy
 completions. Writes JSON and prints markdown.
 
     python training/evaluate.py --gguf moeswap/data/stdlib-moe-q8_0.gguf \
-        --moe-run training/runs/moe --dense-run training/runs/dense -o training/evaluation.json
+        --moe-run training/runs/moe-cont2 --dense-run training/runs/dense-cont2 \
+        -o training/evaluation.json
 """
 
 from __future__ import annotations
@@ -39,6 +41,39 @@ def held_out_windows(run: Path, seq_len: int, n_windows: int = 48) -> list[np.nd
     ids = encode(tokenizer, held_texts)
     starts = np.linspace(0, len(ids) - seq_len - 1, n_windows).astype(np.int64)
     return [ids[s: s + seq_len + 1] for s in starts]
+
+
+@torch.no_grad()
+def window_losses(hf_folder: Path, ids: np.ndarray, seq_len: int) -> np.ndarray:
+    """Mean next-token loss of each consecutive, non-overlapping window of ``ids``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folder).eval()
+    n_windows = (len(ids) - 1) // seq_len
+    ids = torch.from_numpy(ids)
+    inputs = ids[: n_windows * seq_len].view(n_windows, seq_len)  # [W, S]
+    targets = ids[1: n_windows * seq_len + 1].view(n_windows, seq_len)  # [W, S]
+    losses = []
+    for rows in torch.split(torch.arange(n_windows), 32):
+        logits = model(input_ids=inputs[rows]).logits  # [B, S, V]
+        losses.append(torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), targets[rows], reduction="none").mean(1))  # [B]
+    return torch.cat(losses).numpy()
+
+
+def full_held_out_comparison(moe_run: Path, dense_run: Path, seq_len: int) -> dict:
+    """MoE versus dense on all held-out tokens; the difference's 95 % interval comes from a
+    paired bootstrap over windows (tokens within a window are not independent)."""
+    tokenizer = Tokenizer.from_file(str(moe_run / "hf" / "tokenizer.json"))
+    ids = encode(tokenizer, split_corpus(corpus_files())[1])
+    moe = window_losses(moe_run / "hf", ids, seq_len)  # [W]
+    dense = window_losses(dense_run / "hf", ids, seq_len)  # [W]
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(moe), size=(2000, len(moe)))  # [R, W]
+    gaps = (dense - moe)[picks].mean(axis=1)  # [R]
+    return dict(windows=len(moe), tokens=len(moe) * seq_len, moe=float(moe.mean()),
+                dense=float(dense.mean()), dense_minus_moe=float((dense - moe).mean()),
+                dense_minus_moe_95ci=np.percentile(gaps, [2.5, 97.5]).round(5).tolist())
 
 
 def routing_summary(trace) -> dict:
@@ -86,6 +121,7 @@ def main() -> None:
         held_out_loss_hf_final=moe_evals[-1]["held_out_loss"],
         dense_held_out_loss_final=dense_evals[-1]["held_out_loss"],
         unigram_held_out_loss=moe_meta["unigram_held_out_loss"],
+        all_held_out=full_held_out_comparison(args.moe_run, args.dense_run, moe_meta["seq_len"]),
         moe_steps=moe_evals[-1]["step"], dense_steps=dense_evals[-1]["step"],
         minutes=moe_evals[-1]["minutes"], moe_params=moe_meta["params"],
         dense_params=dense_meta["params"], train_tokens=moe_meta["train_tokens"],
