@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from offload_trained import teacher_forced, text_windows  # noqa: E402
 
 # (copy type, host policy, share of the routed bytes in full-precision host slots)
-ROWS = [("q4_0", "lru", 0.0), ("q5_0", "lru", 0.0), ("q4_k", "lru", 0.0),
+ROWS = [("q4_0", "lru", 0.0), ("q4_k", "lru", 0.0), ("q5_0", "lru", 0.0), ("q6_k", "lru", 0.0),
         ("q4_0", "admit:2", 0.25), ("q4_0", "admit:4", 0.25), ("q4_0", "lru", 0.25)]
 
 
