@@ -163,7 +163,7 @@ def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
         verdict = "PASS" if abs(error) <= TOLERANCE else "FAIL"
         rows.append(f"| {case.model.name} | {share:.0%} | {host / 2**20:.1f} | "
                     f"{plan.hits.total:.1%} | {predicted:.2f} | {measured:.2f} | "
-                    f"{error:+.0%} {verdict} | {stats} |")
+                    f"{error:+.1%} {verdict} | {stats} |")
         print(rows[-1], flush=True)
     return rows
 
