@@ -13,10 +13,11 @@ disk and the hit rate (from /metrics). Flags this script does not know go to
         --host-mem 26MiB --threads 1
     python scripts/bench_server.py MODEL --requests 8 --concurrency 4 --max-tokens 8   # small
 
-"one at a time" is `moeswap serve --max-batch 1` with the same client concurrency, so the
-only difference is batching; it gets --ctx CTX x MAX_BATCH, so that the KV cache charged to
---host-mem, and the room left there for experts, is the same in both modes. The exit status
-is 1 if any request failed or a server's RssAnon grew by more than --host-mem plus
+"one at a time" is `moeswap serve --max-batch 1` with the same client concurrency and --ctx,
+so the only difference is batching; its --host-mem is smaller by what the batch charges there
+beyond one request (15 more contexts of KV cache, and the step's working memory:
+moeswap.server.budget), so that the room left for experts is the same in both modes. The exit
+status is 1 if any request failed or a server's RssAnon grew by more than its --host-mem plus
 --device-mem.
 """
 
@@ -36,7 +37,11 @@ from pathlib import Path
 import httpx
 
 from moeswap.cli.offload_args import add_offload_arguments
-from moeswap.experts.options import parse_size
+from moeswap.experts.options import kv_bytes_per_token, parse_size
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.server.batching import BatchOptions
+from moeswap.server.budget import charged_positions
 
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
 WORDS = ("the river", "a small engine", "seven lanterns", "the old map", "winter light",
@@ -91,13 +96,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(args, serve_flags: list[str], max_batch: int, ctx: int) -> dict:
+def run_mode(args, serve_flags: list[str], max_batch: int, ctx: int, host_mem: int | None) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "moeswap", "serve", args.model, "--port", str(port),
          "--max-batch", str(max_batch), "--queue", str(args.requests), "--ctx", str(ctx),
-         *serve_flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         *serve_flags, *([] if host_mem is None else ["--host-mem", str(host_mem)])],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -141,6 +147,19 @@ def run_mode(args, serve_flags: list[str], max_batch: int, ctx: int) -> dict:
     return result
 
 
+def without_host_mem(flags: list[str]) -> list[str]:
+    """The flags without --host-mem (each mode gets its own)."""
+    kept, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag == "--host-mem":
+            skip = True
+        elif not flag.startswith("--host-mem="):
+            kept.append(flag)
+    return kept
+
+
 def row(label: str, r: dict) -> str:
     lat = r["latencies"]
     p50, p95 = statistics.median(lat), lat[min(len(lat) - 1, int(0.95 * len(lat)))]
@@ -163,14 +182,26 @@ def main() -> int:
     args, serve_flags = p.parse_known_args()
     offload = argparse.ArgumentParser(add_help=False)
     offload.add_argument("--threads")
+    offload.add_argument("--step-tokens", type=int, default=512)
     add_offload_arguments(offload)
     budget = offload.parse_known_args(serve_flags)[0]
-    budget_bytes = sum(parse_size(s) for s in (budget.host_mem, budget.device_mem) if s)
-    batched = run_mode(args, serve_flags, args.max_batch, args.ctx)
-    single = run_mode(args, serve_flags, 1, args.ctx * args.max_batch)
+    device = parse_size(budget.device_mem) if budget.device_mem else 0
+    host = {args.max_batch: None, 1: None}
+    if budget.host_mem:  # the same room for experts with one request a step
+        host[args.max_batch] = parse_size(budget.host_mem)
+        config = config_from_gguf(GGUFFile.open(args.model))
+        charged = {b: charged_positions(config, BatchOptions(max_batch=b, ctx=args.ctx,
+                                                             step_tokens=budget.step_tokens))
+                   for b in host}
+        host[1] = host[args.max_batch] - (charged[args.max_batch] - charged[1]) * \
+            kv_bytes_per_token(config)
+    serve_flags = without_host_mem(serve_flags)
+    batched = run_mode(args, serve_flags, args.max_batch, args.ctx, host[args.max_batch])
+    single = run_mode(args, serve_flags, 1, args.ctx, host[1])
     store = " MiB read from disk | hit rate |" if batched["disk_bytes"] is not None else ""
     print(f"{args.requests} requests, {args.concurrency} concurrent, {args.max_tokens} tokens "
-          f"each, greedy, ctx {args.ctx} per batch slot; moeswap serve {' '.join(serve_flags)}")
+          f"each, greedy, ctx {args.ctx}; moeswap serve {' '.join(serve_flags)}; --host-mem "
+          + " / ".join("-" if h is None else f"{h / 2**20:.1f}MiB" for h in host.values()))
     print("| mode | errors | tokens | wall s | tokens/s | p50 s | p95 s | baseline RSS MiB "
           f"| peak RSS MiB | RssAnon growth MiB | RssFile growth MiB |{store}")
     print("|---" * (11 + (2 if store else 0)) + "|")
@@ -178,9 +209,10 @@ def main() -> int:
     print(row("one at a time (--max-batch 1)", single))
     speedup = (batched["tokens"] / batched["wall"]) / (single["tokens"] / single["wall"])
     print(f"batched / one at a time: {speedup:.2f}x tokens/s")
-    over = [r for r in (batched, single) if budget_bytes and r["anon_growth"] > budget_bytes]
-    if budget_bytes:
-        print(f"peak RssAnon within the baseline + budgets ({budget_bytes / 2**20:.1f} MiB): "
+    over = [r for r, h in ((batched, host[args.max_batch]), (single, host[1]))
+            if h is not None and r["anon_growth"] > h + device]
+    if host[1] is not None:
+        print(f"peak RssAnon within the baseline + --host-mem + --device-mem: "
               f"{'yes' if not over else 'NO'}")
     for error in batched["errors"] + single["errors"]:
         print("error:", error, file=sys.stderr)

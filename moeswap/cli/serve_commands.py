@@ -53,6 +53,18 @@ def _load(args, context_tokens: int, recorder=None):
                         replay_routing=args.replay_routing, recorder=recorder)
 
 
+def _charged_positions(args, batch) -> int:
+    """KV positions the expert store charges to --host-mem: the batch's contexts and a step's
+    working memory (moeswap.server.budget); without a store nothing is charged."""
+    if args.host_mem is None:
+        return 0
+    from moeswap.formats.config import config_from_gguf
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.server.budget import charged_positions
+
+    return charged_positions(config_from_gguf(GGUFFile.open(args.model)), batch)
+
+
 def run_serve(args) -> int:
     from pathlib import Path
 
@@ -67,7 +79,7 @@ def run_serve(args) -> int:
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
                             ctx_policy=args.ctx_policy, api_key=args.api_key)
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
-    runtime = _load(args, args.ctx * args.max_batch, activity)  # every slot may fill its context
+    runtime = _load(args, _charged_positions(args, batch), activity)
     uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
                 log_level="info")
     return 0

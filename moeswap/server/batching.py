@@ -227,11 +227,10 @@ class BatchScheduler:
         return feeds
 
     def _step(self) -> None:
-        ended = sum(self.counters.requests_finished.values())
-        prefill = any(len(r.ids) - r.fed > 1 for r in self._active)
         self._decode()
-        if prefill or sum(self.counters.requests_finished.values()) != ended:
-            self._trim_heap()  # the steps that free big blocks: prompts' and ended caches'
+        # The step's activations and the caches that grew or ended are freed blocks now; the
+        # allocator would keep them. Under 1 ms on this process's ~100 MB heap.
+        self._trim_heap()
 
     def _decode(self) -> None:
         for request in [r for r in self._active if r.cancelled]:
