@@ -16,7 +16,7 @@
 # Everything else goes into an isolated venv that sees the machine's torch: a venv made with
 # --system-site-packages from a python that is itself a venv (/opt/torch/.venv there) would see
 # the base interpreter's packages, not torch's, so the torch site-packages is added by a .pth.
-# Results: $OUT/device_check.md and $OUT/device_check.json (./device_check_out without $OUT).
+# Results: $OUT/device_check.md, .json and .log (/tmp/moeswap-device-check without $OUT).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -89,7 +89,7 @@ main() {
         prepare
         return
     fi
-    local out="${OUT:-$ROOT/device_check_out}"
+    local out="${OUT:-/tmp/moeswap-device-check}"
     mkdir -p "$out"
     local venv="${MOESWAP_DEVICE_VENV:-/tmp/moeswap-device-venv}"
     if python3 -c 'import gguf, llama_cpp' 2>/dev/null; then
