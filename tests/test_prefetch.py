@@ -48,6 +48,13 @@ def other_family(request, tmp_path_factory):
     return convert(folder / "hf", folder / "model.q4_0.gguf", "q4_0")
 
 
+def held_on(store):
+    """The throttle bypassed: prefetch runs from the first forward (it probes off first)."""
+    if store.prefetch is not None:
+        store.prefetch.throttle.forward = lambda n_tokens: True
+    return store
+
+
 def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
     resident = load_model(deep_mixtral, threads=1, expert_runner=QuantResidentExperts)
     expected = decode_logits(resident)
@@ -57,6 +64,7 @@ def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
             for host_slots in (1, 2 * len(layers)):
                 model, factory = store_model(deep_mixtral, host_slots, prefetch=mode,
                                              prefetch_depth=depth)
+                held_on(factory.store)
                 assert torch.equal(decode_logits(model), expected), (mode, depth, host_slots)
                 assert ("prefetch" in factory.stats()) == (depth > 0)
                 factory.store.close()
@@ -68,6 +76,7 @@ def test_other_families_are_exact_with_prefetch(other_family):
     _, _, layers, _ = plan(other_family)
     for mode in MODES:
         model, factory = store_model(other_family, len(layers), prefetch=mode)
+        held_on(factory.store)
         assert torch.equal(decode_logits(model), expected), mode
         factory.store.close()
 
@@ -92,7 +101,8 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
                            prefetch=data.draw(st.sampled_from(MODES)),
                            prefetch_depth=data.draw(st.integers(1, 4)))
     kernels = CpuKernels(1)
-    store = ExpertStore(gguf, kernels, layers, "silu", options, _routers(deep_mixtral, layers))
+    store = held_on(ExpertStore(gguf, kernels, layers, "silu", options,
+                                _routers(deep_mixtral, layers)))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
     ahead = store._prefetch_ahead
@@ -139,6 +149,7 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
                         StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
                                      prefetch="gate",
                                      prefetch_depth=2), _routers(deep_mixtral, layers))
+    held_on(store)
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     gate, read = threading.Event(), store.worker.disk.read_expert
 
@@ -233,7 +244,7 @@ def test_run_command_prints_prefetch(tmp_path, capsys):
 
     path = mixtral().write(tmp_path / "mixtral.gguf")
     fixed, slot, layers, _ = plan(path)
-    args = ["run", str(path), "-p", "abc", "-n", "3", "--temp", "0", "--threads", "1",
+    args = ["run", str(path), "-p", "abc", "-n", "14", "--temp", "0", "--threads", "1",
             "--host-mem", str(fixed + 1024 * 1024 + 2 * len(layers) * slot),
             "--prefetch", "gate", "--prefetch-depth", "1"]
     assert main(args) == 0
@@ -251,6 +262,7 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     store = ExpertStore(gguf, kernels, layers, "silu",
                         StoreOptions(host_bytes=fixed + 3 * slot, prefetch="both",
                                      prefetch_depth=4), _routers(deep_mixtral, layers))
+    held_on(store)
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     generator = torch.Generator().manual_seed(1)
     threads = []
@@ -291,12 +303,12 @@ def test_throttle_keeps_prefetch_that_pays_and_rechecks_it():
     clock = _Clock()
     t = Throttle(clock)
     states = _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.75, 1.0)
-    # 8 forwards timed on, 8 off (each timed when the next starts), then on again: it won
-    assert states == [True] * PROBE_FORWARDS + [False] * PROBE_FORWARDS + [True]
+    # 8 forwards timed off, 8 on (each timed when the next starts), then on again: it won
+    assert states == [False] * PROBE_FORWARDS + [True] * PROBE_FORWARDS + [True]
     assert (t.probes, t.probes_won, t.medians) == (1, 1, (0.75, 1.0))
     states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.75, 1.0)
     assert all(states) and t.probes == 1
-    assert _run_forwards(t, clock, PROBE_FORWARDS + 1, 0.75, 1.0)[-1] is False  # probing again
+    assert t.forward(1) is False and t._probing  # probing again, off first
 
 
 def test_throttle_turns_prefetch_off_when_not_faster_and_backs_off():
@@ -307,11 +319,11 @@ def test_throttle_turns_prefetch_off_when_not_faster_and_backs_off():
     assert (t.probes, t.probes_won, t.on) == (1, 0, False)
     states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.99, 1.0)
     assert not any(states)  # off, with no work, for RECHECK_FORWARDS forwards
-    states = _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 1.2, 1.0)  # the next probe: on first
-    assert states[:PROBE_FORWARDS] == [True] * PROBE_FORWARDS and t.probes == 2
-    assert not any(_run_forwards(t, clock, 2 * RECHECK_FORWARDS, 1.2, 1.0))  # pause doubled
-    assert t.forward(1)  # then a third probe
-    assert t.forwards_on == 2 * PROBE_FORWARDS + 1
+    # the next probe: off, then on, cut short after EARLY_FORWARDS slower forwards
+    states = _run_forwards(t, clock, PROBE_FORWARDS + EARLY_FORWARDS + 1, 1.2, 1.0)
+    assert states == [False] * PROBE_FORWARDS + [True] * EARLY_FORWARDS + [False]
+    assert t.probes == 2 and t._hold == 2 * RECHECK_FORWARDS  # the pause doubled
+    assert t.forwards_on == PROBE_FORWARDS + EARLY_FORWARDS
 
 
 def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
@@ -422,7 +434,7 @@ def _device_store(path, device_slots, prefetch):
                                      device_backend="cpu", prefetch=prefetch, prefetch_depth=2),
                         _routers(path, layers))
     store.pools["device"].copies = _DeferredCopies()
-    return store
+    return held_on(store)
 
 
 def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtral):
@@ -462,9 +474,10 @@ def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtra
 def test_throttle_cuts_a_probe_short_when_prefetch_costs_more_than_it_hides():
     clock = _Clock()
     t = Throttle(clock)
-    for forward in range(EARLY_FORWARDS):
-        assert t.forward(1)
-        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001  # 2 ms spent for 1 ms hidden
-        clock.now += 1.0
+    _run_forwards(t, clock, PROBE_FORWARDS, 1.0, 1.0)  # the off arm
+    for forward in range(EARLY_FORWARDS):  # on forwards timed faster, but costing more than
+        assert t.forward(1)                 # they hid: the cost rule alone cuts the probe
+        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001
+        clock.now += 0.5
     assert not t.forward(1) and (t.probes, t.probes_won) == (1, 0)
     assert t.forwards_on == EARLY_FORWARDS and t._hold == RECHECK_FORWARDS

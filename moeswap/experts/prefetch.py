@@ -26,11 +26,13 @@ over in one batch: each wake-up of the worker costs the store's thread a GIL han
 at ~0.6 ms on a busy 2-core machine, more than a small model's read takes.
 
 Above all of that, ``Throttle`` keeps prefetch from costing time: it times whole forwards with
-prefetch on and off (a probe of ``PROBE_FORWARDS`` each), keeps it on only where on was at least
-``MARGIN`` faster, and otherwise turns it off completely (no prediction, no reads) for
-``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it keeps losing. A probe is
-cut short, lost, after ``EARLY_FORWARDS`` on-forwards in which the store's thread spent longer
-on prefetch (predicting, handing reads over, waiting for them) than the load time it hid.
+prefetch off, then on (a probe of ``PROBE_FORWARDS`` each, off first, so a run shorter than that
+never pays for prefetch), keeps it on only where on was at least ``MARGIN`` faster, and
+otherwise turns it off completely (no prediction, no reads) for ``RECHECK_FORWARDS`` forwards,
+doubling up to ``MAX_RECHECK`` while it keeps losing. The on arm is cut short, lost, after
+``EARLY_FORWARDS`` forwards if their median is not under the off arm's, or if the store's
+thread spent longer on prefetch (predicting, handing reads over, waiting for them) than the
+load time it hid.
 
 Legend: N tokens, K picks per token, X experts of a layer.
 """
@@ -55,7 +57,7 @@ MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions 
 PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
 PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between probing reads
 PROBE_FORWARDS = 8  # timed forwards in each arm (on, off) of a throttle probe
-EARLY_FORWARDS = 3  # on-forwards after which a probe whose cost exceeds what it hid is lost
+EARLY_FORWARDS = 3  # on-forwards after which a probe that is not paying is lost
 MARGIN = 0.03  # prefetch stays on only when its forwards' median is this much under off's
 RECHECK_FORWARDS = 256  # forwards between probes; doubled after each probe prefetch loses
 MAX_RECHECK = 4096
@@ -221,7 +223,7 @@ class Prefetcher:
 
 class Throttle:
     """Whether prefetch runs in the next forward, from the measured time of forwards with it on
-    and off. A probe runs ``PROBE_FORWARDS`` forwards on, then as many off; prefetch stays on
+    and off. A probe runs ``PROBE_FORWARDS`` forwards off, then as many on; prefetch stays on
     until the next probe only if the median on-forward was ``MARGIN`` faster than the median
     off-forward. A forward's time is from its first MoE layer to the next forward's; forwards
     whose token count differs from the next one's (a prefill, a batch changing) are not timed.
@@ -229,7 +231,7 @@ class Throttle:
 
     def __init__(self, clock=time.perf_counter):
         self.clock = clock
-        self.on = True  # prefetch runs in the current forward
+        self.on = False  # prefetch runs in the current forward; a probe starts off
         self._times: dict[bool, list[float]] = {True: [], False: []}
         self._probing = True
         self._hold = 0  # forwards left before the next probe
@@ -249,8 +251,8 @@ class Throttle:
             self._probe_step()
         elif self._hold > 0:
             self._hold -= 1
-        else:  # the next probe: on first
-            self._probing, self.on = True, True
+        else:  # the next probe: off first
+            self._probing, self.on = True, False
             self._times = {True: [], False: []}
             self.cost = self.hidden = 0.0
         if self.on:
@@ -260,13 +262,17 @@ class Throttle:
         return self.on
 
     def _probe_step(self) -> None:
+        if not self.on:
+            if len(self._times[False]) >= PROBE_FORWARDS:
+                self.on, self.cost, self.hidden = True, 0.0, 0.0  # the on arm
+            return
         timed_on = len(self._times[True])
-        if self.on and timed_on >= EARLY_FORWARDS and self.cost > self.hidden:
-            self._decide(False, (statistics.median(self._times[True]), 0.0))
-        elif self.on and timed_on >= PROBE_FORWARDS:
-            self.on = False
-        elif not self.on and len(self._times[False]) >= PROBE_FORWARDS:
-            on, off = (statistics.median(self._times[arm]) for arm in (True, False))
+        if timed_on < EARLY_FORWARDS:
+            return
+        on, off = (statistics.median(self._times[arm]) for arm in (True, False))
+        if on >= off or self.cost > self.hidden:
+            self._decide(False, (on, off))
+        elif timed_on >= PROBE_FORWARDS:
             self._decide(on < off * (1 - MARGIN), (on, off))
 
     def _decide(self, won: bool, medians: tuple[float, float]) -> None:
