@@ -14,6 +14,10 @@ if [ ! -f "$reference/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
     fi
     rm -rf "$tmp"
 fi
+# The web page's test drives Debian's headless Chromium (tests/test_web_page.py).
+if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
 export MOESWAP_LLAMA_CPP_CONVERT="$reference/vendor/llama.cpp/convert_hf_to_gguf.py"
 python -m pytest -q "$@"
 status=$?
