@@ -38,13 +38,13 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "(counted in the stats; default: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
-    # On by default: a throttle keeps it only where forwards are measured faster with it
-    # (docs/OFFLOAD.md, "Prefetch measurements").
-    g.add_argument("--prefetch", choices=PREDICTORS, default="gate",
+    # Off by default: even throttled, it was measured slower than off on the replayed 2.2 GB
+    # model (wrong guesses evict useful experts) (docs/OFFLOAD.md, "Prefetch measurements").
+    g.add_argument("--prefetch", choices=PREDICTORS, default="off",
                    help="read the next layers' likely experts from disk while a layer computes, "
                         "guessed by the next router on this layer's input (gate), by routing "
                         "history (history) or both; turned off by itself where forwards are not "
-                        "measured faster with it (gate)")
+                        "measured faster with it (default off)")
     g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
     g.add_argument("--replay-routing", metavar="TRACE",
