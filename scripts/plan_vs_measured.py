@@ -24,8 +24,10 @@ before anything is timed: the plan is calibrated from the probe only.
 For each host budget (shared weights + KV cache + staging + a share of the expert slots), the
 plan's prediction is computed from the file's header, the model file is dropped from the page
 cache, and the run is a fresh ``moeswap run`` subprocess with cold reads (``--cold-reads``: the
-disk tier is the disk), greedy, one thread. A row passes when the prediction is within +-25 % of
-the measurement. A benchmark for a quiet machine, not a test. Prints a markdown table.
+disk tier is the disk), greedy, one thread; ``--repeats`` runs, the fastest counting (the least
+disturbed by other work on the machine; all are printed, with the load average before). A row
+passes when the prediction is within +-25 % of the measurement. A benchmark for a quiet
+machine, not a test. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ TOLERANCE = 0.25
 class Case:
     model: Path
     n_predict: int
+    repeats: int  # measured runs per budget; the fastest is the least disturbed
     plan_trace: Path  # the plan's hit rates: the store's LRU replayed over it
     replay: Path | None = None  # the measured runs' routing, when not the model's own
 
@@ -133,16 +136,20 @@ def drop_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def measured_decode(case: Case, host_bytes: int, threads: int) -> tuple[float, str]:
-    """(decode tokens/s, the store's stats line) of one ``moeswap run`` (default policy: LRU)."""
-    drop_from_page_cache(case.model)
+def measured_decode(case: Case, host_bytes: int, threads: int) -> tuple[list[float], str]:
+    """(decode tokens/s of each of ``case.repeats`` ``moeswap run``s, the store's stats line);
+    the default policy, LRU."""
     replay = ["--replay-routing", str(case.replay)] if case.replay else []
-    done = moeswap("run", str(case.model), "-p", PROMPT, "-n", str(case.n_predict), "--temp", "0",
-                   "--threads", str(threads), "--host-mem", str(host_bytes), "--cold-reads",
-                   "--prefetch", "off", *replay)
-    speed = re.search(r"decode: \d+ tokens, ([\d.]+) tokens/s", done.stderr)
+    speeds = []
+    for _ in range(case.repeats):
+        drop_from_page_cache(case.model)
+        done = moeswap("run", str(case.model), "-p", PROMPT, "-n", str(case.n_predict), "--temp",
+                       "0", "--threads", str(threads), "--host-mem", str(host_bytes),
+                       "--cold-reads", "--prefetch", "off", *replay)
+        speeds.append(float(re.search(r"decode: \d+ tokens, ([\d.]+) tokens/s",
+                                      done.stderr).group(1)))
     stats = next((line for line in done.stderr.splitlines() if line.startswith("experts:")), "")
-    return float(speed.group(1)), stats
+    return speeds, stats
 
 
 def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
@@ -157,13 +164,16 @@ def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
     for share in shares:
         host = floor.host_charged + int(share * floor.all_experts) * floor.sizes.slot_bytes
         plan = plan_model(case.model, Budget(0, host, context), rates, str(case.plan_trace)).moeswap
-        measured, stats = measured_decode(case, host, threads)
+        load = Path("/proc/loadavg").read_text().split()[0]
+        speeds, stats = measured_decode(case, host, threads)
+        measured = max(speeds)
         predicted = plan.decode_tokens_per_second
         error = predicted / measured - 1
         verdict = "PASS" if abs(error) <= TOLERANCE else "FAIL"
         rows.append(f"| {case.model.name} | {share:.0%} | {host / 2**20:.1f} | "
                     f"{plan.hits.total:.1%} | {predicted:.2f} | {measured:.2f} | "
-                    f"{error:+.1%} {verdict} | {stats} |")
+                    f"{error:+.1%} {verdict} | {' '.join(f'{v:.2f}' for v in speeds)} | "
+                    f"{load} | {stats} |")
         print(rows[-1], flush=True)
     return rows
 
@@ -183,6 +193,10 @@ def main() -> int:
     parser.add_argument("-n", "--n-predict", type=int, default=64)
     parser.add_argument("--gen-n-predict", type=int, default=24,
                         help="tokens decoded on the generated model (24)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per budget on the shipped model; the fastest counts (3)")
+    parser.add_argument("--gen-repeats", type=int, default=1,
+                        help="runs per budget on the generated model (1)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prepare", action="store_true",
                         help="only write the generated model and the traces")
@@ -191,14 +205,15 @@ def main() -> int:
     args = parser.parse_args()
     if bool(args.replay_routing) != bool(args.plan_routing):
         parser.error("--replay-routing and --plan-routing go together")
-    cases = [Case(SHIPPED, args.n_predict, trace_for(SHIPPED, args.work_dir, args.n_predict))]
+    cases = [Case(SHIPPED, args.n_predict, args.repeats,
+                  trace_for(SHIPPED, args.work_dir, args.n_predict))]
     generated = args.generated or (generated_model(args.work_dir, args.gb) if args.gb else None)
     if generated and args.replay_routing:
-        cases.append(Case(generated, args.gen_n_predict,
+        cases.append(Case(generated, args.gen_n_predict, args.gen_repeats,
                           fitted_trace(args.plan_routing, generated, args.work_dir),
                           args.replay_routing))
     elif generated:
-        cases.append(Case(generated, args.gen_n_predict,
+        cases.append(Case(generated, args.gen_n_predict, args.gen_repeats,
                           trace_for(generated, args.work_dir, args.gen_n_predict)))
     if args.prepare:
         return 0
@@ -209,8 +224,8 @@ def main() -> int:
     print(f"fixed costs: {cached_overheads(args.threads, refresh=args.refresh_probe)}")
     print(f"rates: {plan_rates({}, threads=str(args.threads)).source}")
     print("| model | expert share | --host-mem MiB | predicted hit rate | predicted tok/s | "
-          "measured tok/s | error | store stats |")
-    print("|---|---|---|---|---|---|---|---|")
+          "measured tok/s (fastest) | error | each run | load before | store stats |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for case in cases:
         print(f"{case.model.name}: plan routing {case.plan_trace.name}; measured routing "
