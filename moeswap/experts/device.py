@@ -134,6 +134,7 @@ class TorchDeviceSlots(FreeSlots):
         self._ring_events: list = [None] * ring
         self._next = 0
         self.copies = CudaCopies(self.device) if cuda else SyncCopies()
+        self.copy_stream = self.copies.stream if cuda else None  # to time the uploads
         self._ready: dict[int, object] = {}  # slot -> event of its last upload, until first read
 
     def slot(self, index: int) -> torch.Tensor:
