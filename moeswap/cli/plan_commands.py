@@ -19,8 +19,9 @@ def register(subparsers) -> None:
     p.add_argument("--ctx", type=int, required=True, help="context length in tokens")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     p.add_argument("--profile", metavar="FILE",
-                   help="a routing profile (`moeswap profile TRACE`): expected hit rate and the "
-                        "llama.cpp layers to keep on the GPU")
+                   help="a routing profile (`moeswap profile TRACE`: expected hit rate and the "
+                        "llama.cpp layers to keep on the GPU) or a routing trace (.npz: the "
+                        "store's LRU replayed over it gives the hit rate)")
     p.add_argument("--gpus", type=int, default=0, help="GPUs for a vLLM / SGLang launch line")
     p.add_argument("--gpu-mem", metavar="SIZE", help="memory of each of --gpus GPUs, e.g. 80GiB")
     g = p.add_argument_group("rates in GB/s (default: `moeswap probe`'s cache, else "

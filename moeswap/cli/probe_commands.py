@@ -15,10 +15,16 @@ def register(subparsers) -> None:
 def run_probe(args) -> int:
     from dataclasses import asdict
 
-    from moeswap.experts.probe import DEFAULT_CACHE, cached_rates
+    from moeswap.experts.probe import DEFAULT_CACHE, cached_overheads, cached_rates
 
     rates = cached_rates(args.threads, refresh=args.refresh)
     print(json.dumps({name: f"{value / 1e9:.2f} GB/s" for name, value in asdict(rates).items()},
                      indent=1))
+    # The planner's fixed costs: cold-read latency by size, per-block and per-expert overheads.
+    overheads = cached_overheads(args.threads, refresh=args.refresh)
+    print(json.dumps({"cold_read_ms": {str(size): round(1e3 * seconds, 3)
+                                       for size, seconds in overheads.read_seconds},
+                      "layer_step_ms": round(1e3 * overheads.layer_step, 3),
+                      "expert_call_ms": round(1e3 * overheads.expert_call, 3)}, indent=1))
     print(f"cached in {DEFAULT_CACHE}")
     return 0
