@@ -275,6 +275,18 @@ def test_replayed_lru_counts_the_decode_steps_in_the_stores_order():
     assert lru_hit_rate(_trace(), 0) == (0.0, 12)
 
 
+def test_replayed_lru_starts_every_prompt_from_an_empty_cache():
+    """Each prompt is a run of its own (moeswap run starts its store empty). Prompt 0 decodes
+    the same token twice: 4 misses, then 4 hits with 4 slots; prompt 1 decodes it once more:
+    4 misses, where one cache kept over both prompts would hit all 4. 4 of 12."""
+    token = [[0, 1], [2, 3]]
+    trace = RoutingTrace(model="m", arch="llama", layers=[0, 1], n_experts=4, k=2,
+                         prompt_offsets=[0, 2, 3], expert_ids=[token] * 3,
+                         weights=[[[0.5, 0.5]] * 2] * 3, phase=np.ones(3, np.uint8))
+    assert lru_hit_rate(trace, 4) == (4 / 12, 12)
+    assert lru_hit_rate(trace, 8) == (4 / 12, 12)
+
+
 def test_plan_with_a_trace_and_the_cli(mixtral_file, tmp_path, capsys):
     s = sizes_of(mixtral_file)
     plan = make_plan(s, Budget(s.slot_bytes, _need(s, 8) + 3 * s.slot_bytes, 8), RATES,
@@ -497,3 +509,34 @@ def test_replayed_lru_matches_the_stores_decode_hits(tmp_path, capsys):
     rate, requests = lru_hit_rate(RoutingTrace.load(trace), slots)
     assert requests == requests_9 - requests_1 == 8 * s.top_k * len(s.moe_layers)
     assert rate * requests == pytest.approx(hits_9 - hits_1)
+
+
+def test_replayed_prompts_of_moeswap_trace_match_the_stores_runs(tmp_path, capsys):
+    """A `moeswap trace` of two prompts with -n 8 (8 decoded tokens run) replayed at half the
+    slots gives the decode hits the store counts over separate `moeswap run -n 9`s of them
+    (each less its -n 1 run), summed: each prompt replayed from an empty cache, as a run is.
+    The prompts are short, so a cache kept from the first prompt would still hold experts in
+    the second one's decode (130 hits of 192 instead of the runs' 119)."""
+    prompts = ["def", "import"]
+    trace = tmp_path / "two.npz"
+    assert main(["trace", str(SHIPPED), "-p", prompts[0], "-p", prompts[1], "-n", "8",
+                 "-o", str(trace), "--threads", "1"]) == 0
+    s = sizes_of(SHIPPED)
+    slots = s.n_expert * len(s.moe_layers) // 2
+    hits = requests = 0
+    for prompt in prompts:
+        host = s.shared_bytes + s.store_kv_bytes(len(prompt.encode()) + 10) + \
+            (s.top_k + slots) * s.slot_bytes
+        counts = []
+        for n_predict in (1, 9):
+            capsys.readouterr()
+            assert main(["run", str(SHIPPED), "-p", prompt, "-n", str(n_predict), "--temp", "0",
+                         "--host-mem", str(host), "--prefetch", "off"]) == 0
+            line = re.search(r"experts: (\d+) used, hit rate \S+ \(device 0, host (\d+)\)",
+                             capsys.readouterr().err)
+            counts.append((int(line.group(1)), int(line.group(2))))
+        requests += counts[1][0] - counts[0][0]
+        hits += counts[1][1] - counts[0][1]
+    rate, replayed = lru_hit_rate(RoutingTrace.load(trace), slots)
+    assert replayed == requests == 2 * 8 * s.top_k * len(s.moe_layers)
+    assert rate * replayed == pytest.approx(hits)

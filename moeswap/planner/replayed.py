@@ -4,9 +4,10 @@ The store asks for experts per layer step: the distinct experts the step's token
 ascending id (``group_picks``). A prompt's prefill is one forward, each layer cut into pieces
 of MAX_TOKENS_PER_CALL tokens; each decoded token is a step of its own. The replay asks in that
 order, through one LRU of all the slots over keys (layer, expert) — ``policies.LRU``'s rule:
-every miss admitted, the least recently used evicted — cold at the start, as a run is, and
-counts the decode steps' hits: decode speed is what they predict. A trace without phases
-counts every token as a decode step.
+every miss admitted, the least recently used evicted — and counts the decode steps' hits:
+decode speed is what they predict. Each prompt of the trace is replayed as a run of its own,
+from an empty cache (``moeswap run`` starts its store empty), and the hit rate pools every
+prompt's decode requests. A trace without phases counts every token as a decode step.
 
 Legend: T tokens, L traced layers, k picks per token.
 """
@@ -34,22 +35,23 @@ def check_trace(sizes: ModelSizes, trace: RoutingTrace, name: str) -> None:
                            "(moeswap run --trace) over every MoE layer")
 
 
-def store_requests(trace: RoutingTrace) -> Iterator[tuple[bool, tuple[int, int]]]:
-    """(from a decode step, (traced layer, expert)) in the order the store asks."""
+def store_requests(trace: RoutingTrace, prompt: int) -> Iterator[tuple[bool, tuple[int, int]]]:
+    """(from a decode step, (traced layer, expert)) in the order the store asks, for one
+    prompt's run."""
     phase = trace.phase if trace.phase is not None else np.full(trace.n_tokens, DECODE)
-    for start, end in zip(trace.prompt_offsets[:-1], trace.prompt_offsets[1:]):
-        prefill = [t for t in range(start, end) if phase[t] != DECODE]
-        pieces = [prefill[i:i + MAX_TOKENS_PER_CALL]
-                  for i in range(0, len(prefill), MAX_TOKENS_PER_CALL)]
-        for layer in range(trace.n_layers):
-            for piece in pieces:
-                for expert in _distinct(trace.expert_ids[piece, layer]):
-                    yield False, (layer, expert)
-        for t in range(start, end):
-            if phase[t] == DECODE:
-                for layer in range(trace.n_layers):
-                    for expert in _distinct(trace.expert_ids[[t], layer]):
-                        yield True, (layer, expert)
+    start, end = int(trace.prompt_offsets[prompt]), int(trace.prompt_offsets[prompt + 1])
+    prefill = [t for t in range(start, end) if phase[t] != DECODE]
+    pieces = [prefill[i:i + MAX_TOKENS_PER_CALL]
+              for i in range(0, len(prefill), MAX_TOKENS_PER_CALL)]
+    for layer in range(trace.n_layers):
+        for piece in pieces:
+            for expert in _distinct(trace.expert_ids[piece, layer]):
+                yield False, (layer, expert)
+    for t in range(start, end):
+        if phase[t] == DECODE:
+            for layer in range(trace.n_layers):
+                for expert in _distinct(trace.expert_ids[[t], layer]):
+                    yield True, (layer, expert)
 
 
 def _distinct(ids: np.ndarray) -> list[int]:
@@ -58,18 +60,20 @@ def _distinct(ids: np.ndarray) -> list[int]:
 
 
 def lru_hit_rate(trace: RoutingTrace, slots: int) -> tuple[float, int]:
-    """(hit rate of the decode steps' requests, their number) with ``slots`` expert slots."""
-    cache: OrderedDict = OrderedDict()
+    """(hit rate of the decode steps' requests, their number) with ``slots`` expert slots,
+    every prompt from an empty cache."""
     hits = requests = 0
-    for decode, key in store_requests(trace):
-        hit = key in cache
-        if hit:
-            cache.move_to_end(key)
-        elif slots:
-            cache[key] = None
-            if len(cache) > slots:
-                cache.popitem(last=False)
-        if decode:
-            requests += 1
-            hits += hit
+    for prompt in range(trace.n_prompts):
+        cache: OrderedDict = OrderedDict()
+        for decode, key in store_requests(trace, prompt):
+            hit = key in cache
+            if hit:
+                cache.move_to_end(key)
+            elif slots:
+                cache[key] = None
+                if len(cache) > slots:
+                    cache.popitem(last=False)
+            if decode:
+                requests += 1
+                hits += hit
     return (hits / requests if requests else 0.0), requests
