@@ -6,6 +6,8 @@ recall and precision counted right; the gate predictor is the next router's top-
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -103,6 +105,7 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
     kernels = CpuKernels(1)
     store = held_on(ExpertStore(gguf, kernels, layers, "silu", options,
                                 _routers(deep_mixtral, layers)))
+    without = ExpertStore(gguf, kernels, layers, "silu", replace(options, prefetch="off"))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
     ahead = store._prefetch_ahead
@@ -123,21 +126,26 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
             weights, x = torch.rand(n_tokens, 2), torch.randn(n_tokens, 64)
             assert torch.equal(store.run(layer, x, ids, weights),
                                resident.run(layer, x, ids, weights))
+            without.run(layer, x, ids, weights)
             held = store.held_bytes()
             for tier, budget in (("host", host_budget), ("device", device_budget)):
                 assert held[tier] <= budget
                 assert set(store.slots[tier]) == store.policies[tier].resident()
-    for key in list(store._reads):  # let reads in flight land, then check every slot's bytes
-        store._settle_read(key, store.layer_stats[key[0]])
-    for tier in ("host", "device"):
-        for (lay, expert), index in store.slots[tier].items():
-            if (lay, expert) in store._unread:
-                continue
-            layout, in_slot = store.layouts[lay], store.pools[tier].slot(index)
-            for part, offset in zip(layout.parts, piece_offsets(layout)):
-                start = part.data_start + expert * part.expert_bytes
-                assert np.array_equal(in_slot[offset:offset + part.expert_bytes],
-                                      file_bytes[start:start + part.expert_bytes])
+                # guesses stay outside the policies: they decide exactly as without prefetch
+                assert store.policies[tier].resident() == without.policies[tier].resident()
+            assert not set(store.guesses.slots) & set(store.slots["host"])
+            assert len(store.pools["host"].holder) == len(store.slots["host"]) + \
+                len(store.guesses.slots)
+    store.guesses.settle_all()  # let reads in flight land, then check every slot's bytes
+    held = [(tier, key, index) for tier in ("host", "device")
+            for key, index in store.slots[tier].items()]
+    held += [("host", key, store.guesses.slots[key]) for key in store.guesses.filled]
+    for tier, (lay, expert), index in held:
+        layout, in_slot = store.layouts[lay], store.pools[tier].slot(index)
+        for part, offset in zip(layout.parts, piece_offsets(layout)):
+            start = part.data_start + expert * part.expert_bytes
+            assert np.array_equal(in_slot[offset:offset + part.expert_bytes],
+                                  file_bytes[start:start + part.expert_bytes])
     store.close()
 
 
@@ -164,23 +172,102 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
     store.worker.disk.read_expert = held_read
     wait, store.worker.wait = store.worker.wait, wait_opening_the_gate
     x, weights = torch.randn(1, 64), torch.rand(1, 2)
+    cancelled, cancel = [], store.worker.cancel
+    store.worker.cancel = lambda job: cancel(job) and not cancelled.append(job) or job in cancelled
     for layer in layers:  # every layer asks for experts nobody guessed: every guess goes stale
-        unguessed = [e for e in range(n_experts) if (layer, e) not in store._reads]
+        unguessed = [e for e in range(n_experts) if (layer, e) not in store.guesses]
         ids = torch.tensor([unguessed[:2]])
         assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
     assert not gate.is_set()
-    assert store.prefetch.counts.cancelled > 0
+    assert store.prefetch.counts.cancelled == len(cancelled) > 0
     # the last layer has run: at most the read held at the gate is left (if the worker started
-    # it in time), every queued one was cancelled; a cancelled guess keeps its slot, no bytes
-    assert [job.state for job in store._reads.values()] in ([], ["running"])
-    assert store._unread and all(key in store.slots["host"] for key in store._unread)
+    # it in time), every queued one was cancelled and its slot freed: no slot waits without bytes
+    assert [job.state for job in store.guesses.reads.values()] in ([], ["running"])
+    guessed = set(store.guesses.slots)
+    assert guessed == set(store.guesses.reads) | store.guesses.filled
+    assert not {(job.layout.layer, job.expert) for job in cancelled} & guessed
     gate.set()
-    layer, expert = min(store._unread)  # asked for later, it is read then, bit for bit
-    ids = torch.tensor([[expert, (expert + 1) % n_experts]])
-    assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
-    assert (layer, expert) not in store._unread
+    job = cancelled[0]  # asked for later, it is read then, bit for bit
+    ids = torch.tensor([[job.expert, (job.expert + 1) % n_experts]])
+    out = store.run(job.layout.layer, x, ids, weights)
+    assert torch.equal(out, resident.run(job.layout.layer, x, ids, weights))
     store.close()
     assert not store.worker._thread.is_alive()
+
+
+# -- where a guess may sit: free host slots or older unused guesses, outside the host policy ----
+
+def _four_slot_store(path, guesses_at: dict):
+    """Four host slots, LRU; prefetch held on with the guesses ``guesses_at[layer]``."""
+    gguf = GGUFFile.open(path)
+    fixed, slot, layers, _ = plan(path)
+    store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu",
+                                StoreOptions(host_bytes=fixed + 4 * slot, prefetch="gate",
+                                             prefetch_depth=2), _routers(path, layers)))
+    asked, submit = [], store.guesses.submit
+    store.prefetch.guesses = lambda layer, x, ids: asked.append(layer) or guesses_at.get(layer, [])
+
+    def submit_and_land():  # each batch of reads lands before the step goes on: deterministic
+        jobs = list(store.guesses.reads.values())
+        submit()
+        for job in jobs:
+            while job.state != "done":
+                time.sleep(0.001)
+
+    store.guesses.submit = submit_and_land
+    return store, QuantResidentExperts(gguf, store.kernels, layers, "silu"), asked
+
+
+def _step(store, resident, layer, experts):
+    x, weights = torch.randn(1, 64), torch.rand(1, 2)
+    ids = torch.tensor([experts])
+    assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
+
+
+def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
+    store, resident, asked = _four_slot_store(deep_mixtral, {2: [(3, 6), (3, 7), (4, 5)]})
+    _step(store, resident, 0, [0, 1])  # the guesses for layer 0: none
+    _step(store, resident, 1, [0, 1])  # four requested experts fill the four slots
+    requested = {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert store.policies["host"].resident() == requested
+    asked.clear()
+    _step(store, resident, 2, [0, 1])  # evicts two requested (LRU), as without prefetch
+    assert asked == [] and not store.guesses.slots  # no room: nothing predicted, nothing read
+    assert store.policies["host"].resident() == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert store.prefetch.counts.reads == 0
+    store.close()
+
+
+def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
+    store, resident, _ = _four_slot_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
+    _step(store, resident, 0, [0, 1])  # three guesses take three free slots; (0, 0) the fourth
+    # (0, 1) needs a slot: the oldest guess gives its own, nothing requested is touched
+    assert list(store.guesses.slots) == [(2, 6), (3, 7)]
+    assert store.policies["host"].resident() == set(store.slots["host"]) == {(0, 0), (0, 1)}
+    _step(store, resident, 1, [0, 1])  # the two other guesses go, oldest first
+    assert not store.guesses.slots
+    assert store.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    counts = store.prefetch.counts
+    assert (counts.reads, counts.used, counts.cancelled) == (3, 0, 0)
+    assert counts.bytes_wasted == sum(store.layouts[layer].expert_bytes for layer in (2, 2, 3))
+    assert store.prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
+    store.close()
+
+
+def test_a_used_guess_is_promoted_like_a_request(deep_mixtral):
+    store, resident, _ = _four_slot_store(deep_mixtral, {0: [(1, 5)]})
+    _step(store, resident, 0, [0, 1])  # the guess takes a free slot; the requests two more
+    assert list(store.guesses.slots) == [(1, 5)] and (1, 5) not in store.policies["host"]
+    before = store.disk.stats.bytes
+    _step(store, resident, 1, [5, 6])  # (1, 5) is used: into the policy, its bytes not read again
+    assert not store.guesses.slots and (1, 5) in store.policies["host"]
+    stats = store.layer_stats[1]
+    assert (stats.host_hits, stats.disk_misses) == (1, 1)
+    assert store.disk.stats.bytes - before == store.layouts[1].expert_bytes  # (1, 6) only
+    assert store.prefetch.counts.used == 1 and store.prefetch.counts.hidden_seconds > 0
+    _step(store, resident, 2, [0, 1])  # LRU: the older requests go, the used guess stays
+    assert store.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
+    store.close()
 
 
 def _eye_router(n: int, top_k: int) -> Router:
@@ -276,7 +363,7 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
         threads.append(threading.active_count())
     assert len(set(threads[1:])) == 1
     assert store.prefetch.counts.reads > 0
-    assert len(store._reads) <= store.prefetch.queue_bound
+    assert len(store.guesses.reads) <= store.prefetch.queue_bound
     store.close()
     assert threading.active_count() == threads[-1] - 1
 
@@ -366,7 +453,7 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
             assert calls == layers[:2] and store.worker.waiting > 0
     assert calls == layers[:2]  # off: no prediction at all
     assert store.worker.waiting == 0 and store.prefetch._pending == {}
-    assert all(job.state in ("running", "done") for job in store._reads.values())  # the held one
+    assert all(job.state in ("running", "done") for job in store.guesses.reads.values())  # the held one
     gate.set()
     store.close()
 

@@ -131,6 +131,8 @@ class PrefetchCounts:
     bytes_wasted: int = 0  # prefetched bytes evicted before anyone asked for them
     cancelled: int = 0  # stale reads dropped before they started
     wait_seconds: float = 0.0  # the store's thread waiting on a read already running
+    cost_seconds: float = 0.0  # all the store's thread spent on prefetch: predicting, handing
+    # reads over, waiting (what the throttle weighs against hidden_seconds)
     hidden_seconds: float = 0.0  # read time of used prefetches the store did not wait for
     uploads: int = 0  # guesses copied on to the device tier ahead of use (CUDA copy stream)
 
@@ -161,6 +163,16 @@ class Prefetcher:
         """The throttle turned prefetch off: guesses made so far will not be checked."""
         self._pending.clear()
         self.history.forget_last()
+
+    def spent(self, seconds: float) -> None:
+        """The store's thread spent this long on prefetch."""
+        self.counts.cost_seconds += seconds
+        self.throttle.cost += seconds
+
+    def hid(self, seconds: float) -> None:
+        """A used guess's read saved the store's thread this long."""
+        self.counts.hidden_seconds += seconds
+        self.throttle.hidden += seconds
 
     def read_outcome(self, target: int, used: bool) -> None:
         """A read for ``target`` was used, or evicted unused."""
@@ -214,6 +226,7 @@ class Prefetcher:
                 "bytes_prefetched": c.bytes_prefetched, "used": c.used,
                 "bytes_wasted": c.bytes_wasted, "cancelled": c.cancelled,
                 "wait_seconds": c.wait_seconds, "hidden_seconds": c.hidden_seconds,
+                "cost_seconds": c.cost_seconds,
                 "uploads": c.uploads, "adaptive": self.throttle.as_dict(),
                 "layers": {t: {d: {**a.as_dict(), "reads_enabled": a.enabled and
                                    self.useful_now[t] >= MIN_PRECISION}

@@ -22,10 +22,11 @@ picks with a routing weight under it are dropped and the rest rescaled, and it i
 ``miss_lowbit`` (``--miss-lowbit``) is the other: misses no tier admits are computed from
 low-bit copies held in RAM instead of read from the file (moeswap.experts.lowbit); counted.
 
-With ``prefetch`` on, each layer step first reads guesses for the next layers into host slots on
-a worker thread, and on a CUDA device tier uploads the guesses worth moving on the copy stream;
-a throttle turns all of it off where it does not measurably pay (moeswap.experts.prefetch;
-docs/OFFLOAD.md, "Prefetch").
+With ``prefetch`` on, each layer step first reads guesses for the next layers into free host
+slots on a worker thread, outside the host policy until a request uses them
+(moeswap.experts.guesses), and on a CUDA device tier uploads the guesses worth moving on the copy
+stream; a throttle turns all of it off where it does not measurably pay
+(moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
 
 Legend: N tokens, T tokens of one piece, K picks per token, D model width, F expert width,
 M picks of one expert.
@@ -47,7 +48,8 @@ from moeswap.experts.cost import MissPlanner, Rates
 from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.lowbit import LowBitCopies
 from moeswap.experts.options import kv_bytes_per_token
-from moeswap.experts.prefetch import Prefetcher, ReadJob, ReadWorker
+from moeswap.experts.guesses import HostGuesses
+from moeswap.experts.prefetch import Prefetcher, ReadWorker
 from moeswap.experts.stats import LayerStats, total
 from moeswap.experts.tiers import (DiskReader, SlotPool, check_inside_file, slot_bytes,
                                    slot_pieces)
@@ -153,10 +155,8 @@ class ExpertStore:
         self.layer_stats = {i: LayerStats() for i in layers}
         self._bound: dict[tuple[str, int, int], _Slot] = {}
         self.prefetch: Prefetcher | None = None
-        self._reads: dict[tuple[int, int], ReadJob] = {}  # prefetch reads into host slots
-        self._unread: set[tuple[int, int]] = set()  # host-resident, read cancelled: no bytes
-        self._unused: dict[tuple[int, int], float] = {}  # prefetched, not asked for yet: the
-        # seconds of its read that nobody waited for
+        self.guesses: HostGuesses | None = None  # prefetched, in host slots, not yet used
+        self._step_keys: set[tuple[int, int]] = set()  # the experts of the running layer step
         self._to_upload: set[tuple[int, int]] = set()  # device guesses waiting for their read
         self._prefetch_on = False  # the throttle's word for the current forward
         if options.prefetch != "off" and options.prefetch_depth > 0 and host_slots:
@@ -164,6 +164,8 @@ class ExpertStore:
                                        routers or {}, self.layouts[layers[0]].n_experts,
                                        config.n_expert_used)
             self.worker = ReadWorker(gguf.path, options.cold_reads)
+            self.guesses = HostGuesses(self.pools["host"], self.worker, self.prefetch,
+                                       self.layer_stats)
             # the thread holds no reference to the store, so a dropped store stops it
             self._stop_worker = weakref.finalize(self, self.worker.close)
         for tier, policy in self.policies.items():
@@ -182,8 +184,10 @@ class ExpertStore:
         return TorchDeviceSlots(backend, n_slots, self.slot_size)
 
     @classmethod
-    def factory(cls, options: StoreOptions) -> "StoreFactory":
-        """What ``load_model(expert_runner=...)`` takes."""
+    def factory(cls, options: StoreOptions):
+        """What ``load_model(expert_runner=...)`` takes (moeswap.experts.factory)."""
+        from moeswap.experts.factory import StoreFactory
+
         return StoreFactory(options)
 
     # -- the runner interface -------------------------------------------------------------
@@ -194,7 +198,7 @@ class ExpertStore:
         if self.prefetch is not None and self._prefetch_running(layer, x.shape[0]):
             started = time.perf_counter()
             self._prefetch_ahead(layer, x, expert_ids)
-            self.prefetch.throttle.cost += time.perf_counter() - started
+            self.prefetch.spent(time.perf_counter() - started)
         return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -213,6 +217,7 @@ class ExpertStore:
         groups = [(e, picks if keep is None else picks[keep[picks]])
                   for e, picks in group_picks(ids)]
         groups = [(e, picks) for e, picks in groups if picks.numel()]
+        self._step_keys = {(layer, e) for e, _ in groups}
         self.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
                                  if (layer, e) not in self.policies["device"]])
         kinds = ("gate_up",) if layout.fused else ("gate", "up")
@@ -269,11 +274,10 @@ class ExpertStore:
         host = self.policies["host"]
         if key in host:
             host.access(key)
-            if self._bytes_in_slot(key, stats):
-                stats.host_hits += 1
-            else:
-                stats.disk_misses += 1
+            stats.host_hits += 1
             source = ("host", self.slots["host"][key])
+        elif self.guesses is not None and key in self.guesses:
+            source = ("host", self._use_guess(key, stats))
         else:
             step = host.access(key)
             if self.lowbit is not None and not step.admitted:  # the approximation fires
@@ -283,6 +287,8 @@ class ExpertStore:
             source = ("staging", self._read_from_disk(key, stats))
             if step.admitted:
                 self._evict("host", step.evicted, stats)
+                if self.guesses is not None and not self.pools["host"].n_free:
+                    self.guesses.make_room(self._step_keys)  # unused guesses go first
                 source = ("host", self._load("host", key, self._slot_array(*source)))
         if self.pools["device"].n_slots and \
                 self.planner.choose(self.layouts[layer].expert_bytes, n_tokens) == "transfer":
@@ -335,8 +341,6 @@ class ExpertStore:
     def _evict(self, tier: str, key, stats: LayerStats) -> None:
         if key is None:
             return
-        if tier == "host" and self.prefetch is not None:
-            self._forget_prefetch(key, stats)
         self.pools[tier].release(self.slots[tier].pop(key))
         if tier == "device":
             stats.device_evictions += 1
@@ -362,73 +366,80 @@ class ExpertStore:
             self._bound[key] = _Slot(self.kernels, layout, self._slot_array(pool, index))
         return self._bound[key]
 
-    # -- prefetch (moeswap.experts.prefetch): guesses read into host slots on the worker, and
-    # uploaded on the copy stream of a CUDA device tier -----------------------------------
+    # -- prefetch (moeswap.experts.prefetch): guesses read into free host slots on the worker
+    # (moeswap.experts.guesses), and uploaded on the copy stream of a CUDA device tier --------
 
     def _prefetch_running(self, layer: int, n_tokens: int) -> bool:
         """The throttle decides at each forward's first MoE layer, for the whole forward."""
         if layer == next(iter(self.layouts)):
             was, self._prefetch_on = self._prefetch_on, self.prefetch.throttle.forward(n_tokens)
             if was and not self._prefetch_on:
-                self._pause_prefetch()
+                self.guesses.pause()
+                self._to_upload.clear()
+                self.prefetch.pause()
         return self._prefetch_on
 
-    def _pause_prefetch(self) -> None:
-        """Prefetch turns off: reads not started are dropped (their slots stay, unread)."""
-        for job in self.worker.cancel_waiting():
-            key = (job.layout.layer, job.expert)
-            del self._reads[key]
-            self._unread.add(key)
-            self.prefetch.counts.cancelled += 1
-        self._to_upload.clear()
-        self.prefetch.pause()
-
     def _prefetch_ahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """Before a layer step: check the guesses made for it, drop stale reads, then reserve
-        host slots for the next layers' guesses and hand their reads to the worker in one
-        batch. This layer's experts are pinned: a guess whose admission would evict one puts
-        it back."""
+        """Before a layer step: check the guesses made for it, drop stale reads, then give the
+        next layers' guesses free host slots (or those of older unused guesses) and hand their
+        reads to the worker in one batch. With no such slot, nothing is predicted."""
         needed = {(layer, e) for e in ids.flatten().tolist()}
         self.prefetch.observe(layer, ids)
-        for key, job in list(self._reads.items()):
-            if job.state == "done":
-                del self._reads[key]
-                self._read_done(key, job)
-            elif key[0] <= layer and key not in needed and self.worker.cancel(job):
-                del self._reads[key]  # a stale guess: its slot stays reserved, without bytes
-                self._unread.add(key)
-                self.prefetch.counts.cancelled += 1
-        pinned, jobs = set(needed), []
+        self.guesses.collect(layer, needed)
+        device_ahead = self.on_torch_device and self.pools["device"].n_slots
+        if not (self.guesses.has_room(needed) or device_ahead):
+            return
+        pinned = set(needed)
         guesses = self.prefetch.guesses(layer, x, ids)
         for key in guesses:
-            if self.worker.waiting + len(jobs) >= self.prefetch.queue_bound:
-                break  # the link is busy with earlier guesses
-            if key in self.policies["device"] or key in self.policies["host"]:
+            if key in self.policies["device"] or key in self.policies["host"] or \
+                    key in self.guesses:
                 pinned.add(key)
-            elif self._admit("host", key, pinned):
-                index = self.pools["host"].take(key)
-                self.slots["host"][key] = index
-                jobs.append(ReadJob(self.layouts[key[0]], key[1], self.pools["host"].slot(index)))
-                self._reads[key] = jobs[-1]
+            elif self.guesses.queue_full() or \
+                    not self.guesses.reserve(key, self.layouts[key[0]], pinned):
+                break  # the link is busy with earlier guesses, or no slot is left
+            else:
                 pinned.add(key)
-        self.worker.submit(jobs)
-        self.prefetch.counts.reads += len(jobs)
-        if self.on_torch_device and self.pools["device"].n_slots:
+        self.guesses.submit()
+        if device_ahead:
             self._upload_ahead(layer, guesses, pinned)
+
+    def _use_guess(self, key: tuple[int, int], stats: LayerStats) -> int:
+        """A request for a guess: its slot, with its bytes (read now if its read was cancelled),
+        and the host policy asked in as without prefetch -> the slot."""
+        index, ready = self.guesses.take(key)
+        if ready:
+            stats.host_hits += 1
+        else:
+            stats.disk_misses += 1
+            layout, before = self.layouts[key[0]], self.disk.stats.seconds
+            self.disk.read_expert(layout, key[1], self.pools["host"].slot(index))
+            stats.stall_seconds += self.disk.stats.seconds - before
+            stats.disk_bytes += layout.expert_bytes
+        step = self.policies["host"].access(key)
+        if step.admitted:
+            self._evict("host", step.evicted, stats)
+            self.slots["host"][key] = index
+        else:
+            self.guesses.put_back(key, index)
+        return index
 
     def _upload_ahead(self, layer: int, guesses: list[tuple[int, int]], pinned: set) -> None:
         """Guesses the cost model would move to the device go there now, on the copy stream,
         once their host bytes are in (a read in flight: at a later step, if still ahead)."""
         self._to_upload = {k for k in self._to_upload if k[0] > layer}  # the rest is stale
         for key in [*sorted(self._to_upload), *guesses]:
-            if key in self.policies["device"] or key not in self.slots["host"] or \
-                    key in self._unread or not self._worth_uploading(key[0]):
+            if key in self.policies["device"] or not self._worth_uploading(key[0]):
                 continue
-            if key in self._reads:
+            if key in self.guesses.reads:
                 self._to_upload.add(key)
-            elif self._admit("device", key, pinned):
+                continue
+            index = self.slots["host"].get(key)
+            if index is None and key in self.guesses.filled:
+                index = self.guesses.slots[key]
+            if index is not None and self._admit("device", key, pinned):
                 self._to_upload.discard(key)
-                self._load("device", key, self.pools["host"].slot(self.slots["host"][key]))
+                self._load("device", key, self.pools["host"].slot(index))
                 self.prefetch.counts.uploads += 1
                 pinned.add(key)
 
@@ -461,61 +472,6 @@ class ExpertStore:
                 self._evict(tier, k, self.layer_stats[k[0]])
         return key in policy
 
-    def _read_done(self, key: tuple[int, int], job: ReadJob) -> None:
-        if job.error is not None:
-            self._unread.add(key)
-            return
-        self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
-        self._unused[key] = job.seconds
-
-    def _settle_read(self, key: tuple[int, int], stats: LayerStats) -> None:
-        """Take the key's read off the worker: cancel it if it has not started, else wait."""
-        job = self._reads.pop(key, None)
-        if job is None:
-            return
-        if self.worker.cancel(job):
-            self._unread.add(key)
-            self.prefetch.counts.cancelled += 1
-            return
-        waited = self.worker.wait(job)
-        stats.stall_seconds += waited
-        self.prefetch.counts.wait_seconds += waited
-        self.prefetch.throttle.cost += waited
-        self._read_done(key, job)
-        if key in self._unused:
-            self._unused[key] = max(job.seconds - waited, 0.0)
-
-    def _bytes_in_slot(self, key: tuple[int, int], stats: LayerStats) -> bool:
-        """A host-resident expert is asked for: make sure its slot holds its bytes -> whether
-        they were there (or arriving) rather than read now."""
-        if self.prefetch is None:
-            return True
-        self._settle_read(key, stats)
-        if key in self._unused:
-            self.prefetch.read_outcome(key[0], used=True)
-            self.prefetch.counts.used += 1
-            hidden = self._unused.pop(key)
-            self.prefetch.counts.hidden_seconds += hidden
-            self.prefetch.throttle.hidden += hidden
-        if key not in self._unread:
-            return True
-        self._unread.discard(key)
-        layout = self.layouts[key[0]]
-        before = self.disk.stats.seconds
-        self.disk.read_expert(layout, key[1], self.pools["host"].slot(self.slots["host"][key]))
-        stats.stall_seconds += self.disk.stats.seconds - before
-        stats.disk_bytes += layout.expert_bytes
-        return False
-
-    def _forget_prefetch(self, key: tuple[int, int], stats: LayerStats) -> None:
-        """Before a host slot is freed: no read may still be writing into it."""
-        self._settle_read(key, stats)
-        if key in self._unused:
-            del self._unused[key]
-            self.prefetch.read_outcome(key[0], used=False)
-            self.prefetch.counts.bytes_wasted += self.layouts[key[0]].expert_bytes
-        self._unread.discard(key)
-
     def close(self) -> None:
         """Stop the prefetch worker (also done when the store is collected)."""
         if self.prefetch is not None:
@@ -539,27 +495,3 @@ class ExpertStore:
             **({"prefetch": self.prefetch.as_dict()} if self.prefetch is not None else {}),
             **({"lowbit": self.lowbit.as_dict()} if self.lowbit is not None else {}),
         }
-
-
-
-class StoreFactory:
-    """Builds the store when the loader asks (``expert_runner``) and keeps it for ``stats``."""
-
-    def __init__(self, options: StoreOptions):
-        self.options = options
-        self.store: ExpertStore | None = None
-
-    def __call__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int],
-                 activation: str) -> ExpertStore:
-        routers = None
-        if self.options.prefetch in ("gate", "both"):
-            from moeswap.formats.gguf_weights import GGUFWeights
-            from moeswap.models.causal_lm import router
-
-            config, weights = config_from_gguf(gguf), GGUFWeights(gguf)
-            routers = {i: router(config, weights, i) for i in layers}
-        self.store = ExpertStore(gguf, kernels, layers, activation, self.options, routers)
-        return self.store
-
-    def stats(self) -> dict:
-        return self.store.stats() if self.store is not None else {}

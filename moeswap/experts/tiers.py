@@ -67,6 +67,10 @@ class FreeSlots:
         del self.holder[index]
         self._free.append(index)
 
+    @property
+    def n_free(self) -> int:
+        return len(self._free)
+
 
 class SlotPool(FreeSlots):
     """``n_slots`` slots of ``slot_size`` bytes in one buffer, allocated once."""

@@ -1,0 +1,150 @@
+"""Prefetched experts waiting in host slots that the host policy does not hold.
+
+A guess (moeswap.experts.prefetch) may take only a free host slot or the slot of an older guess
+that no request has used; it never enters the host policy, so it never evicts an expert that a
+request brought in or used, and unused guesses are the first to go when a request's admission
+needs a slot. A request for a guess takes its slot and then asks the host policy in with the
+same call it would make without prefetch: the host policy sees the same requests in the same
+order with prefetch on or off, so it holds the same experts, and a wrong guess costs at most its
+read and a slot nobody else wanted. With the host tier full of requested experts there is no
+room for a guess and prefetch does nothing.
+
+The worker only fills the slot it was given; before a guess's slot is freed or handed to a
+request, its read is cancelled (not started) or waited for (running). Waiting is the one cost a
+guess puts on the store's thread here: it is counted (``Prefetcher.spent``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from moeswap.experts.prefetch import Prefetcher, ReadJob, ReadWorker
+from moeswap.experts.stats import LayerStats
+from moeswap.experts.tiers import SlotPool
+from moeswap.models.quant_experts import ExpertLayout
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class HostGuesses:
+    def __init__(self, pool: SlotPool, worker: ReadWorker, prefetch: Prefetcher,
+                 layer_stats: dict[int, LayerStats]):
+        self.pool, self.worker, self.prefetch, self.layer_stats = pool, worker, prefetch, layer_stats
+        self.slots: OrderedDict[Key, int] = OrderedDict()  # guess -> its host slot, oldest first
+        self.reads: dict[Key, ReadJob] = {}  # handed to the worker, not yet collected
+        self.filled: set[Key] = set()  # guesses whose slot holds their bytes
+        self._unused: dict[Key, tuple[float, int]] = {}  # landed, not asked for yet: (read
+        # seconds nobody waited for, bytes)
+        self._batch: list[ReadJob] = []
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.slots
+
+    def has_room(self, keep: set) -> bool:
+        """Could a guess get a slot without touching ``keep``?"""
+        return self.pool.n_free > 0 or any(k not in keep for k in self.slots)
+
+    def queue_full(self) -> bool:
+        return self.worker.waiting + len(self._batch) >= self.prefetch.queue_bound
+
+    def reserve(self, key: Key, layout: ExpertLayout, keep: set) -> bool:
+        """A slot for a new guess: a free one, else the oldest guess not in ``keep`` ->
+        whether it got one (its read then waits for ``submit``)."""
+        if not self.pool.n_free:
+            victim = next((k for k in self.slots if k not in keep), None)
+            if victim is None:
+                return False
+            self.drop(victim)
+        index = self.pool.take(key)
+        self.slots[key] = index
+        self.reads[key] = ReadJob(layout, key[1], self.pool.slot(index))
+        self._batch.append(self.reads[key])
+        return True
+
+    def submit(self) -> None:
+        """The reads reserved since the last call, to the worker in one wake-up."""
+        self.worker.submit(self._batch)
+        self.prefetch.counts.reads += len(self._batch)
+        self._batch = []
+
+    def collect(self, layer: int, needed: set) -> None:
+        """Before ``layer`` runs: note reads that landed; cancel those not started for this or
+        earlier layers that it does not need (stale guesses: their slots are freed)."""
+        for key, job in list(self.reads.items()):
+            if job.state == "done":
+                del self.reads[key]
+                self._land(key, job, 0.0)
+            elif key[0] <= layer and key not in needed and self.worker.cancel(job):
+                del self.reads[key]
+                self._forget(key)
+                self.prefetch.counts.cancelled += 1
+
+    def take(self, key: Key) -> tuple[int, bool]:
+        """A request uses this guess: its slot leaves the guesses -> (slot, whether the bytes
+        are in it; if not, the caller reads them)."""
+        self._settle(key)
+        if key in self._unused:
+            hidden, _ = self._unused.pop(key)
+            self.prefetch.read_outcome(key[0], used=True)
+            self.prefetch.counts.used += 1
+            self.prefetch.hid(hidden)
+        ready = key in self.filled
+        self.filled.discard(key)
+        return self.slots.pop(key), ready
+
+    def put_back(self, key: Key, index: int) -> None:
+        """A used guess the host policy did not admit stays a guess (first to go), bytes in."""
+        self.slots[key] = index
+        self.filled.add(key)
+
+    def make_room(self, keep: set) -> None:
+        """A request's admission needs a slot and none is free: the oldest guess not in ``keep``
+        (else the oldest) leaves."""
+        self.drop(next((k for k in self.slots if k not in keep), next(iter(self.slots))))
+
+    def drop(self, key: Key) -> None:
+        """Free an unused guess's slot, its read cancelled or waited for first."""
+        self._settle(key)
+        if key in self._unused:
+            _, wasted = self._unused.pop(key)
+            self.prefetch.read_outcome(key[0], used=False)
+            self.prefetch.counts.bytes_wasted += wasted
+        self._forget(key)
+
+    def pause(self) -> None:
+        """Prefetch turns off: reads not started are dropped with their slots."""
+        for job in self.worker.cancel_waiting():
+            key = (job.layout.layer, job.expert)
+            del self.reads[key]
+            self._forget(key)
+            self.prefetch.counts.cancelled += 1
+
+    def settle_all(self) -> None:
+        """Let every read in flight land (tests check the slots' bytes after it)."""
+        for key in list(self.reads):
+            self._settle(key)
+
+    def _settle(self, key: Key) -> None:
+        job = self.reads.pop(key, None)
+        if job is None:
+            return
+        if self.worker.cancel(job):
+            self.prefetch.counts.cancelled += 1
+            return
+        waited = self.worker.wait(job)
+        self.layer_stats[key[0]].stall_seconds += waited
+        self.prefetch.counts.wait_seconds += waited
+        self.prefetch.spent(waited)
+        self._land(key, job, waited)
+
+    def _land(self, key: Key, job: ReadJob, waited: float) -> None:
+        if job.error is not None:  # the slot stays unfilled: a request reads it (and reports)
+            return
+        self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
+        self.filled.add(key)
+        self._unused[key] = (max(job.seconds - waited, 0.0), job.layout.expert_bytes)
+
+    def _forget(self, key: Key) -> None:
+        self.filled.discard(key)
+        self._unused.pop(key, None)
+        self.pool.release(self.slots.pop(key))
