@@ -11,11 +11,17 @@ big by scripts/bench_decode.py's writer into --work-dir), a generated Mixtral-sh
 The plan's hit rate comes from a routing trace of other text than the measured run (``moeswap
 plan --profile TRACE.npz``: the store's LRU replayed over it); the measured runs use the store's
 default policy, LRU, with prefetch off (the plan does not model prefetch). The shipped model:
-the trace is recorded from a run on PROFILE_PROMPT, the measured runs decode PROMPT. The
-generated model's random router spreads near-uniformly, so for realistic routing its measured
-runs replay a recorded trace (``--replay-routing``, trace layer i driving MoE layer i) and the
-plan replays another one (``--plan-routing``, .npz or the .jsonl `moeswap import-trace` reads,
-cut to the model's MoE layers the same way); without them, its own routing on PROFILE_PROMPT.
+the trace is ``moeswap trace`` of PLAN_PROMPTS (bench/batch8_prompts.json less the one that
+begins like PROMPT), each decoding as many tokens as a measured run, and the plan replays each
+prompt from an empty cache, as a run starts; the measured runs decode PROMPT. The generated
+model's random router spreads near-uniformly, so for realistic routing its measured runs replay
+a recorded trace (``--replay-routing``, trace layer i driving MoE layer i) and the plan replays
+another one (``--plan-routing``, .npz or the .jsonl `moeswap import-trace` reads, cut to the
+model's MoE layers the same way); without them, its own routing on PLAN_PROMPTS.
+
+After the timed runs, the measured prompt's own routing (``moeswap trace`` of PROMPT, untimed)
+is replayed at each budget and printed beside the plan's hit rate: what the plan's input would
+have been had the trace been the measured text itself (a reading, never an input).
 
 ``--prepare`` only writes the generated model and the traces (untimed). ``--refresh-probe``
 measures this machine's rates and fixed costs again (``moeswap probe``, the runs' thread count)
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -44,8 +51,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"
 PROMPT = "def parse_args(argv):\n    "
-# the trace's text: other code, so the measured run's routing is not the trace's own
-PROFILE_PROMPT = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push("
+# the plan's trace: seven varied beginnings of stdlib-style code, never the measured text (the
+# batch's parse_args prompt begins like PROMPT, so it is left out)
+PLAN_PROMPTS = [text for text in json.loads((ROOT / "bench" / "batch8_prompts.json").read_text())
+                ["prompts"] if not text.startswith(PROMPT.split("(")[0])]
 TOLERANCE = 0.25
 
 
@@ -79,15 +88,18 @@ def generated_model(work_dir: Path, gb: float) -> Path:
     return path
 
 
-def trace_for(model: Path, work_dir: Path, n_predict: int) -> Path:
-    """A routing trace of a run on PROFILE_PROMPT (kept; a retrained model gets a new one)."""
+def trace_for(model: Path, work_dir: Path, n_predict: int, prompts: list[str], name: str,
+              threads: int) -> Path:
+    """A routing trace of ``prompts``, each decoded greedily as ``moeswap run -n n_predict``
+    decodes (n_predict - 1 tokens run after the prompt); kept, a retrained model gets a new one."""
     stat = model.stat()
-    trace = work_dir / f"{model.stem}-{stat.st_size}-{stat.st_mtime_ns}-n{n_predict}.trace.npz"
+    trace = work_dir / (f"{model.stem}-{stat.st_size}-{stat.st_mtime_ns}-{name}-n{n_predict}"
+                        ".trace.npz")
     if not trace.exists():
         work_dir.mkdir(parents=True, exist_ok=True)
         partial = trace.with_name(f"{os.getpid()}.{trace.name}")
-        moeswap("run", str(model), "-p", PROFILE_PROMPT, "-n", str(n_predict), "--temp", "0",
-                "--trace", str(partial))
+        moeswap("trace", str(model), *(arg for text in prompts for arg in ("-p", text)),
+                "-n", str(n_predict - 1), "--threads", str(threads), "-o", str(partial))
         partial.rename(trace)
     return trace
 
@@ -152,7 +164,8 @@ def measured_decode(case: Case, host_bytes: int, threads: int) -> tuple[list[flo
     return speeds, stats
 
 
-def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
+def budgets(case: Case, shares: list[float], threads: int) -> list[tuple[float, int, object]]:
+    """(share, --host-mem bytes, the plan with ``case.plan_trace``'s hit rate) per share."""
     from moeswap.planner import plan_model
     from moeswap.planner.placement import Budget
     from moeswap.planner.rates import plan_rates
@@ -160,10 +173,15 @@ def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
     context = len(PROMPT.encode()) + 1 + case.n_predict  # what `moeswap run` charges the store
     rates = plan_rates({}, threads=str(threads))
     floor = plan_model(case.model, Budget(0, 1 << 50, context), rates).moeswap
+    hosts = [(share, floor.host_charged + int(share * floor.all_experts) * floor.sizes.slot_bytes)
+             for share in shares]
+    return [(share, host, plan_model(case.model, Budget(0, host, context), rates,
+                                     str(case.plan_trace)).moeswap) for share, host in hosts]
+
+
+def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
     rows = []
-    for share in shares:
-        host = floor.host_charged + int(share * floor.all_experts) * floor.sizes.slot_bytes
-        plan = plan_model(case.model, Budget(0, host, context), rates, str(case.plan_trace)).moeswap
+    for share, host, plan in budgets(case, shares, threads):
         load = Path("/proc/loadavg").read_text().split()[0]
         speeds, stats = measured_decode(case, host, threads)
         measured = max(speeds)
@@ -178,6 +196,19 @@ def rows_for(case: Case, shares: list[float], threads: int) -> list[str]:
     return rows
 
 
+def own_routing_readings(case: Case, shares: list[float], threads: int, work_dir: Path) -> None:
+    """Untimed, after the runs: the hit rate of the measured prompt's own routing replayed at
+    each budget, beside the plan's (a reading of the trace's representativeness, not an input)."""
+    own = Case(case.model, case.n_predict, case.repeats,
+               trace_for(case.model, work_dir, case.n_predict, [PROMPT], "measured-prompt",
+                         threads))
+    for (share, _, plan), (_, _, mine) in zip(budgets(case, shares, threads),
+                                              budgets(own, shares, threads)):
+        print(f"{case.model.name} {share:.0%}: plan's hit rate {plan.hits.total:.1%}, the "
+              f"measured prompt's own routing replayed {mine.hits.total:.1%} "
+              f"({mine.decode_tokens_per_second:.2f} tok/s with it)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generated", type=Path, help="also this generated model")
@@ -190,7 +221,8 @@ def main() -> int:
                         help="where the generated model and the traces are kept")
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.5, 1.0],
                         help="routed-expert shares of the host budget (0.1 0.5 1.0)")
-    parser.add_argument("-n", "--n-predict", type=int, default=64)
+    parser.add_argument("-n", "--n-predict", type=int, default=128,
+                        help="tokens decoded on the shipped model, measured and traced (128)")
     parser.add_argument("--gen-n-predict", type=int, default=24,
                         help="tokens decoded on the generated model (24)")
     parser.add_argument("--repeats", type=int, default=3,
@@ -206,7 +238,8 @@ def main() -> int:
     if bool(args.replay_routing) != bool(args.plan_routing):
         parser.error("--replay-routing and --plan-routing go together")
     cases = [Case(SHIPPED, args.n_predict, args.repeats,
-                  trace_for(SHIPPED, args.work_dir, args.n_predict))]
+                  trace_for(SHIPPED, args.work_dir, args.n_predict, PLAN_PROMPTS, "plan-prompts",
+                            args.threads))]
     generated = args.generated or (generated_model(args.work_dir, args.gb) if args.gb else None)
     if generated and args.replay_routing:
         cases.append(Case(generated, args.gen_n_predict, args.gen_repeats,
@@ -214,7 +247,8 @@ def main() -> int:
                           args.replay_routing))
     elif generated:
         cases.append(Case(generated, args.gen_n_predict, args.gen_repeats,
-                          trace_for(generated, args.work_dir, args.gen_n_predict)))
+                          trace_for(generated, args.work_dir, args.gen_n_predict, PLAN_PROMPTS,
+                                    "plan-prompts", args.threads)))
     if args.prepare:
         return 0
     from moeswap.experts.probe import cached_overheads, cached_rates
@@ -231,6 +265,9 @@ def main() -> int:
         print(f"{case.model.name}: plan routing {case.plan_trace.name}; measured routing "
               f"{case.replay.name + ' replayed' if case.replay else 'its own'}", flush=True)
         rows += rows_for(case, args.shares, args.threads)
+    for case in cases:
+        if not case.replay:
+            own_routing_readings(case, args.shares, args.threads, args.work_dir)
     return 0 if all("PASS" in row for row in rows) else 1
 
 
