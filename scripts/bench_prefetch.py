@@ -6,7 +6,7 @@
                                            [--markdown out.md]
         every (setting, repeat) in a fresh subprocess, settings interleaved within each repeat;
         prints medians of decode tokens/s, stall seconds, the load time prefetch hid and its
-        share, recall per depth and the throttle's forwards on/off, each with the spread
+        share, what prefetch cost the store's thread, recall per depth and the throttle's forwards on/off, each with the spread
         (min-max over repeats) as the noise band. Settings: off; depth 1, 2, 4 as shipped
         (adaptive: the throttle keeps prefetch only where measured faster); and depth 2 held on
         (the throttle bypassed: what prefetch itself hides and costs)
@@ -117,7 +117,8 @@ def worker(args) -> None:
            "stall_s": s["total"]["stall_seconds"], "disk_mib": s["total"]["disk_bytes"] / 2**20}
     if "prefetch" in s:
         p = s["prefetch"]
-        row.update(hidden_s=p["hidden_seconds"], used=p["used"], reads=p["reads"],
+        row.update(hidden_s=p["hidden_seconds"], cost_s=p["cost_seconds"], used=p["used"],
+                   reads=p["reads"],
                    wasted_mib=p["bytes_wasted"] / 2**20,
                    on=p["adaptive"]["forwards_on"], off=p["adaptive"]["forwards_off"],
                    **{f"recall{d}": recall(p["layers"], d) for d in DEPTHS})
@@ -163,13 +164,14 @@ def table(args) -> None:
              f"medians of {args.repeats} "
              "interleaved repeats (min-max)", "",
              "| prefetch | decode tok/s | vs off | stall s | load s hidden (share) | "
-             "recall d1 / d2 / d4 | forwards on / off | reads used / issued |",
-             "|---|---|---|---|---|---|---|---|"]
+             "main-thread cost s | recall d1 / d2 / d4 | forwards on / off | "
+             "reads used / issued |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name in names:
         speed = statistics.median(r["tok_s"] for r in rows[name])
-        extra = ["-", "-", "-"]
+        extra = ["-", "-", "-", "-"]
         if name != "off":
-            extra = [" / ".join(cell(name, f"recall{d}", ".0%").split(" (")[0]
+            extra = [cell(name, "cost_s", ".3f"), " / ".join(cell(name, f"recall{d}", ".0%").split(" (")[0]
                                 for d in DEPTHS),
                      "all (held)" if SETTINGS[name][1] else
                      " / ".join(f"{statistics.median(r[k] for r in rows[name]):.0f}"
