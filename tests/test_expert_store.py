@@ -290,3 +290,24 @@ def test_a_pinned_hot_set_is_held_once_across_the_tiers(tmp_path):
     assert set(store.slots["device"]) == {(2, 5)}
     assert set(store.slots["host"]) == {(1, 2), (2, 1)}  # the device's hot expert not again
     assert torch.equal(decode_logits(model), expected)
+
+
+
+def test_a_miss_never_evicts_an_expert_of_its_own_step(mixtral_q8):
+    """LFU with 2 host slots: expert 3, requested four times, outranks expert 0 (once). The step
+    (0, 1) then hits 0; 1's miss would evict 0, the least used, and 0 would be read again for
+    the step's second pass. Instead 0 stays and 1 is computed from the staging ring."""
+    gguf = GGUFFile.open(mixtral_q8)
+    fixed, slot, layers, _ = plan(mixtral_q8)
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu",
+                        StoreOptions(host_bytes=fixed + 2 * slot, policy="lfu"))
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    layer = layers[0]
+    for pair in ([3, 4], [3, 5], [3, 6], [3, 0], [0, 1]):
+        ids = torch.tensor([pair])  # [1, 2]
+        x, weights = torch.randn(1, 64), torch.rand(1, 2)
+        assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
+    stats = store.stats()["layers"][layer]
+    assert stats["refetches"] == 0
+    assert set(store.slots["host"]) == {(layer, 3), (layer, 0)}

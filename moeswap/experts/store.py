@@ -279,14 +279,15 @@ class ExpertStore:
         elif self.guesses is not None and key in self.guesses:
             source = ("host", self._use_guess(key, stats))
         else:
-            step = host.access(key)
-            if self.lowbit is not None and not step.admitted:  # the approximation fires
+            # This step's other experts stay: evicting one would only read it again for the
+            # second pass (or its own request later in the step).
+            admitted = self._admit("host", key, self._step_keys - {key})
+            if self.lowbit is not None and not admitted:  # the approximation fires
                 stats.computed_in_place += 1
                 return self.lowbit.serve(key)
             stats.disk_misses += 1
             source = ("staging", self._read_from_disk(key, stats))
-            if step.admitted:
-                self._evict("host", step.evicted, stats)
+            if admitted:
                 if self.guesses is not None and not self.pools["host"].n_free:
                     self.guesses.make_room(self._step_keys)  # unused guesses go first
                 source = ("host", self._load("host", key, self._slot_array(*source)))
@@ -450,8 +451,8 @@ class ExpertStore:
             mode == "auto" and rates.transfer_seconds(size, 1) < rates.compute_seconds(size, 1))
 
     def _admit(self, tier: str, key: tuple[int, int], pinned: set) -> bool:
-        """A guess asks ``tier``'s policy in; a pinned victim goes back and what that evicts
-        leaves instead; freed slots follow the policy -> whether the guess is in."""
+        """``key`` (a miss or a guess) asks ``tier``'s policy in; a pinned victim goes back and
+        what that evicts leaves instead; freed slots follow the policy -> whether ``key`` is in."""
         policy = self.policies[tier]
         step = policy.access(key)
         if not step.admitted:
