@@ -38,13 +38,13 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "(counted in the stats; default: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
-    # Off by default: even throttled, it was measured slower than off on the replayed 2.2 GB
-    # model (wrong guesses evict useful experts) (docs/OFFLOAD.md, "Prefetch measurements").
-    g.add_argument("--prefetch", choices=PREDICTORS, default="off",
-                   help="read the next layers' likely experts from disk while a layer computes, "
-                        "guessed by the next router on this layer's input (gate), by routing "
-                        "history (history) or both; turned off by itself where forwards are not "
-                        "measured faster with it (default off)")
+    # On by default: guesses take only free host slots, so adaptive prefetch was measured within
+    # off's noise band in every row (docs/OFFLOAD.md, "Prefetch measurements").
+    g.add_argument("--prefetch", choices=PREDICTORS, default="gate",
+                   help="read the next layers' likely experts from disk into free host slots "
+                        "while a layer computes, guessed by the next router on this layer's input "
+                        "(gate), by routing history (history) or both; turned off by itself where "
+                        "forwards are not measured faster with it (default gate; off: never)")
     g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
     g.add_argument("--replay-routing", metavar="TRACE",
