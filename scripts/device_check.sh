@@ -11,7 +11,8 @@
 # two minutes) from a carried sdist, CPU only (-DGGML_CUDA=off). PyPI's sdist is 73 MiB, over
 # the 64 MiB a call may carry: --prepare repacks it without what the CPU build never reads
 # (llama.cpp's .git, vocab models, docs, tests, tools, and the sources of the other ggml
-# backends), about 4 MiB. gguf and diskcache (which llama_cpp imports) travel as wheels.
+# backends), about 4 MiB. gguf and diskcache (which llama_cpp imports) travel as wheels, and
+# so do the build's own tools (scikit-build-core, cmake, ninja: no network there to fetch them).
 #
 # Everything else goes into an isolated venv that sees the machine's torch: a venv made with
 # --system-site-packages from a python that is itself a venv (/opt/torch/.venv there) would see
@@ -31,6 +32,10 @@ prepare() {
     work="$(mktemp -d)"
     python3 -m pip download -q --no-deps --only-binary=:all: -d "$CARRY" \
         "gguf==$GGUF_VERSION" "diskcache==$DISKCACHE_VERSION"
+    # The build backend and its tools: the GPU machine cannot fetch them (about 31 MiB, cmake's).
+    python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
+        --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$CARRY/build" \
+        "scikit-build-core[pyproject]>=0.9.2" cmake ninja
     python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" \
         "llama-cpp-python==$LLAMA_CPP_VERSION"
     local name="llama_cpp_python-$LLAMA_CPP_VERSION"
@@ -75,6 +80,8 @@ setup_venv() {
         "$CARRY"/diskcache-*.whl
     if ! "$venv/bin/python" -c 'import llama_cpp' 2>/dev/null; then
         echo "building llama-cpp-python $LLAMA_CPP_VERSION (CPU only) ..."
+        pip_venv install -q --no-index --find-links "$CARRY/build" \
+            "scikit-build-core[pyproject]>=0.9.2" cmake ninja
         CMAKE_ARGS="-DGGML_CUDA=off -DLLAVA_BUILD=off -DGGML_NATIVE=on" \
         CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
             pip_venv install -q --no-index --no-deps --no-build-isolation \
