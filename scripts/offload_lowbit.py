@@ -13,16 +13,13 @@ the staging ring and the copies, plus full-precision host slots for a share of t
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
-
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from offload_trained import teacher_forced, text_windows  # noqa: E402
+from offload_trained import ResidentReference  # noqa: E402
 
 # (copy type, host policy, share of the routed bytes in full-precision host slots)
 ROWS = [("q4_0", "lru", 0.0), ("q4_k", "lru", 0.0), ("q5_0", "lru", 0.0), ("q6_k", "lru", 0.0),
@@ -55,8 +52,6 @@ def lowbit_model(path: Path, type_name: str, policy: str, share: float, threads:
 
 def main() -> None:
     from moeswap.errors import MoeswapError
-    from moeswap.models import load_model
-    from moeswap.models.quant_experts import QuantResidentExperts
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"))
@@ -66,29 +61,18 @@ def main() -> None:
     parser.add_argument("--markdown", help="write the table here too")
     args = parser.parse_args()
     path = Path(args.model)
-    windows = text_windows(path, "held-out", args.windows, args.length)
-    targets = torch.cat([w[1:] for w in windows])  # next tokens
-    keep = torch.cat([torch.arange(len(w) - 1) + sum(len(v) for v in windows[:i])
-                      for i, w in enumerate(windows)])  # positions that have a next token
-
-    def scores(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
-        logp = torch.log_softmax(logits[keep].double(), dim=-1)
-        return logp, math.exp(-float(logp.gather(1, targets[:, None]).mean()))
-
-    resident = load_model(path, threads=args.threads, expert_runner=QuantResidentExperts)
-    base, base_ppl = scores(teacher_forced(resident, windows))
+    reference = ResidentReference(path, args.windows, args.length, args.threads)
     lines = ["| --miss-lowbit | host policy | full-precision expert RAM | KL(resident ‖ approx) "
              "nats/token | perplexity | fired (share of expert requests) | full-precision MiB "
              "not read | copies MiB |", "|---|---|---:|---:|---:|---:|---:|---:|",
-             f"| off (resident) | - | 100% | 0 | {base_ppl:.3f} | 0 | 0 | 0 |"]
+             f"| off (resident) | - | 100% | 0 | {reference.perplexity:.3f} | 0 | 0 | 0 |"]
     for type_name, policy, share in ROWS:
         try:
             model, factory = lowbit_model(path, type_name, policy, share, args.threads)
         except MoeswapError as e:
             print(f"{type_name}: refused: {e}", flush=True)
             continue
-        logp, ppl = scores(teacher_forced(model, windows))
-        kl = float((base.exp() * (base - logp)).sum(-1).mean())
+        kl, ppl = reference.compare(model)
         s = factory.stats()
         fired = s["lowbit"]["fires"] / max(s["total"]["requests"], 1)
         lines.append(f"| {type_name} | {policy} | {share:.0%} | {kl:.2e} | {ppl:.3f} | "

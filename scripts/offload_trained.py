@@ -122,30 +122,41 @@ def table(args, path: Path) -> list[str]:
     return lines
 
 
+class ResidentReference:
+    """Held-out windows, fed one token at a time, scored by the fully resident model: an
+    approximation's KL divergence from it and perplexity on the next tokens."""
+
+    def __init__(self, path: Path, n_windows: int, length: int, threads: int):
+        from moeswap.models import load_model
+        from moeswap.models.quant_experts import QuantResidentExperts
+
+        self.windows = text_windows(path, "held-out", n_windows, length)
+        self._targets = torch.cat([w[1:] for w in self.windows])  # next tokens
+        self._keep = torch.cat([torch.arange(len(w) - 1) + sum(len(v) for v in self.windows[:i])
+                                for i, w in enumerate(self.windows)])  # positions with a next token
+        resident = load_model(path, threads=threads, expert_runner=QuantResidentExperts)
+        self._logp, self.perplexity = self._scores(resident)
+
+    def _scores(self, model) -> tuple[torch.Tensor, float]:
+        logp = torch.log_softmax(teacher_forced(model, self.windows)[self._keep].double(), dim=-1)
+        return logp, math.exp(-float(logp.gather(1, self._targets[:, None]).mean()))
+
+    def compare(self, model) -> tuple[float, float]:
+        """(KL(resident || model) nats per token, model's perplexity)."""
+        logp, ppl = self._scores(model)
+        return float((self._logp.exp() * (self._logp - logp)).sum(-1).mean()), ppl
+
+
 def threshold(args, path: Path) -> list[str]:
-    from moeswap.models import load_model
-    from moeswap.models.quant_experts import QuantResidentExperts
-
-    windows = text_windows(path, "held-out", args.windows, args.length)
-    targets = torch.cat([w[1:] for w in windows])  # next tokens
-    keep = torch.cat([torch.arange(len(w) - 1) + sum(len(v) for v in windows[:i])
-                      for i, w in enumerate(windows)])  # positions that have a next token
-
-    def scores(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
-        logp = torch.log_softmax(logits[keep].double(), dim=-1)
-        return logp, math.exp(-float(logp.gather(1, targets[:, None]).mean()))
-
-    resident = load_model(path, threads=args.threads, expert_runner=QuantResidentExperts)
-    base, base_ppl = scores(teacher_forced(resident, windows))
+    reference = ResidentReference(path, args.windows, args.length, args.threads)
     lines = ["| --expert-threshold | KL(resident ‖ approx) nats/token | perplexity | "
              "picks dropped | expert bytes not read |", "|---:|---:|---:|---:|---:|",
-             f"| off (resident) | 0 | {base_ppl:.3f} | 0 | 0 |"]
+             f"| off (resident) | 0 | {reference.perplexity:.3f} | 0 | 0 |"]
     for p in args.thresholds:
         model, factory, picks_per_token = store(path, 1.0, args.threads, threshold=p)
-        logp, ppl = scores(teacher_forced(model, windows))
-        kl = float((base.exp() * (base - logp)).sum(-1).mean())
+        kl, ppl = reference.compare(model)
         t = factory.stats()["total"]
-        picks = picks_per_token * sum(len(w) for w in windows)
+        picks = picks_per_token * sum(len(w) for w in reference.windows)
         lines.append(f"| {p} | {kl:.2e} | {ppl:.3f} | {t['threshold_drops'] / max(picks, 1):.1%} "
                      f"| {t['threshold_saved_bytes'] / 2**20:.1f} MiB |")
         print(lines[-1], flush=True)
