@@ -25,24 +25,31 @@ def runtime(tmp_path_factory):
 
 
 @contextmanager
-def live_server(runtime, **options):
-    """(base url, app) of the app served by uvicorn on a free loopback port."""
-    app = create_app(runtime, ServerOptions(MODEL, BatchOptions(ctx=64), **options))
+def serve_app(app):
+    """The app served by uvicorn on a free loopback port -> its base url (no trailing slash)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        for _ in range(1000):
-            if server.started:
-                break
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
             time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+        assert server.started, "uvicorn did not start within 10 s"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+@contextmanager
+def live_server(runtime, **options):
+    """(base url, app) of the app served by uvicorn on a free loopback port."""
+    app = create_app(runtime, ServerOptions(MODEL, BatchOptions(ctx=64), **options))
+    with serve_app(app) as url:
+        yield url, app
 
 
 def test_openai_client_lists_completes_chats_and_streams(runtime):

@@ -6,19 +6,17 @@ the page works once the key is typed. The tiny model's store holds 3 of its 8 ex
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
 import time
 from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 from moeswap.experts.store import ExpertStore, StoreOptions
 from moeswap.server.activity import ExpertActivity
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
 from test_server import MODEL, TEMPLATE, load, one_thread, solo_text, write_model  # noqa: F401
+from test_server_live import serve_app
 from test_server_page import CTX, store_sizes
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
@@ -71,20 +69,10 @@ def page_server(browser, tiny_path, **options):
     runtime = load(tiny_path, expert_runner=factory, recorder=activity)
     app = create_app(SlowRuntime(runtime), ServerOptions(MODEL, BatchOptions(ctx=CTX), **options),
                      activity)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        assert wait_for(lambda: server.started, 10)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    with serve_app(app) as url:
+        yield url + "/"
         browser.get("about:blank")  # a page left polling a stopped server logs errors
         browser.get_log("browser")  # read: the next test sees only its own messages
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
