@@ -149,28 +149,27 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
     store.close()
 
 
-def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
-    gguf = GGUFFile.open(deep_mixtral)
-    fixed, slot, layers, n_experts = plan(deep_mixtral)
+def _gated_store(path, prefetch: str, depth: int):
+    """A store with room for every expert whose reader thread holds its reads at a gate (the
+    first read waits, everything after it queues up) until the store itself waits on one
+    -> (store, gate, resident experts, MoE layers, experts per layer)."""
+    gguf = GGUFFile.open(path)
+    fixed, slot, layers, n_experts = plan(path)
     kernels = CpuKernels(1)
     store = ExpertStore(gguf, kernels, layers, "silu",
                         StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
-                                     prefetch="gate",
-                                     prefetch_depth=2), _routers(deep_mixtral, layers))
-    held_on(store)
-    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+                                     prefetch=prefetch, prefetch_depth=depth),
+                        _routers(path, layers))
     gate, read = threading.Event(), store.worker.disk.read_expert
+    store.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
+    wait = store.worker.wait  # were the store to need the held read, it gets it
+    store.worker.wait = lambda job: (gate.set(), wait(job))[1]
+    return store, gate, QuantResidentExperts(gguf, kernels, layers, "silu"), layers, n_experts
 
-    def held_read(*args):  # the worker's first read waits: everything after it queues up
-        gate.wait()
-        read(*args)
 
-    def wait_opening_the_gate(job):  # were the store to need the held read, it gets it
-        gate.set()
-        return wait(job)
-
-    store.worker.disk.read_expert = held_read
-    wait, store.worker.wait = store.worker.wait, wait_opening_the_gate
+def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
+    store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "gate", 2)
+    held_on(store)
     x, weights = torch.randn(1, 64), torch.rand(1, 2)
     cancelled, cancel = [], store.worker.cancel
     store.worker.cancel = lambda job: cancel(job) and not cancelled.append(job) or job in cancelled
@@ -425,18 +424,7 @@ def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
 
 
 def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral):
-    gguf = GGUFFile.open(deep_mixtral)
-    fixed, slot, layers, n_experts = plan(deep_mixtral)
-    kernels = CpuKernels(1)
-    store = ExpertStore(gguf, kernels, layers, "silu",
-                        StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
-                                     prefetch="both", prefetch_depth=4),
-                        _routers(deep_mixtral, layers))
-    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
-    gate, read = threading.Event(), store.worker.disk.read_expert
-    store.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
-    wait = store.worker.wait  # were the store to need the held read, it gets it
-    store.worker.wait = lambda job: (gate.set(), wait(job))[1]
+    store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "both", 4)
     calls, guesses = [], store.prefetch.guesses
     store.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
     plan_on = iter([True, False, False])
