@@ -3,8 +3,8 @@
 The store asks for experts per layer step: the distinct experts the step's tokens picked, in
 ascending id (``group_picks``). A prompt's prefill is one forward, each layer cut into pieces
 of MAX_TOKENS_PER_CALL tokens; each decoded token is a step of its own. The replay asks in that
-order, through one LRU of all the slots over keys (layer, expert) — ``policies.LRU``'s rule:
-every miss admitted, the least recently used evicted — and counts the decode steps' hits:
+order, through one ``policies.LRU`` of all the slots over keys (layer, expert) — every miss
+admitted, the least recently used evicted — and counts the decode steps' hits:
 decode speed is what they predict. Each prompt of the trace is replayed as a run of its own,
 from an empty cache (``moeswap run`` starts its store empty), and the hit rate pools every
 prompt's decode requests. A trace without phases counts every token as a decode step.
@@ -14,12 +14,12 @@ Legend: T tokens, L traced layers, k picks per token.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 
 import numpy as np
 
 from moeswap.errors import MoeswapError
+from moeswap.experts.policies import LRU
 from moeswap.planner.sizes import ModelSizes
 from moeswap.quant.kernels import MAX_TOKENS_PER_CALL
 from moeswap.routing.traces import PHASES, RoutingTrace
@@ -64,15 +64,9 @@ def lru_hit_rate(trace: RoutingTrace, slots: int) -> tuple[float, int]:
     every prompt from an empty cache."""
     hits = requests = 0
     for prompt in range(trace.n_prompts):
-        cache: OrderedDict = OrderedDict()
+        cache = LRU(slots)  # the store's own policy class
         for decode, key in store_requests(trace, prompt):
-            hit = key in cache
-            if hit:
-                cache.move_to_end(key)
-            elif slots:
-                cache[key] = None
-                if len(cache) > slots:
-                    cache.popitem(last=False)
+            hit = cache.access(key).hit
             if decode:
                 requests += 1
                 hits += hit
