@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.experts.device import TorchDeviceSlots
+from moeswap.experts.guesses import reserved_slots
 from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, Prefetcher,
                                       Throttle)
 from moeswap.experts.store import ExpertStore, StoreOptions
@@ -105,7 +106,10 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
     kernels = CpuKernels(1)
     store = held_on(ExpertStore(gguf, kernels, layers, "silu", options,
                                 _routers(deep_mixtral, layers)))
-    without = ExpertStore(gguf, kernels, layers, "silu", replace(options, prefetch="off"))
+    # without prefetch, with the host policy's capacity: the slots reserved for guesses less
+    without = ExpertStore(gguf, kernels, layers, "silu",
+                          replace(options, prefetch="off",
+                                  host_bytes=host_budget - store.guess_slots * slot))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
     ahead = store._prefetch_ahead
@@ -196,12 +200,13 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
 
 # -- where a guess may sit: free host slots or older unused guesses, outside the host policy ----
 
-def _four_slot_store(path, guesses_at: dict):
-    """Four host slots, LRU; prefetch held on with the guesses ``guesses_at[layer]``."""
+def _four_slot_store(path, guesses_at: dict, host_slots: int = 4):
+    """``host_slots`` host slots (four: too few to reserve any for guesses), LRU; prefetch held
+    on with the guesses ``guesses_at[layer]``."""
     gguf = GGUFFile.open(path)
     fixed, slot, layers, _ = plan(path)
     store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                                StoreOptions(host_bytes=fixed + 4 * slot, prefetch="gate",
+                                StoreOptions(host_bytes=fixed + host_slots * slot, prefetch="gate",
                                              prefetch_depth=2), _routers(path, layers)))
     asked, submit = [], store.guesses.submit
     store.prefetch.guesses = lambda layer, x, ids: asked.append(layer) or guesses_at.get(layer, [])
@@ -266,6 +271,50 @@ def test_a_used_guess_is_promoted_like_a_request(deep_mixtral):
     assert store.prefetch.counts.used == 1 and store.prefetch.counts.hidden_seconds > 0
     _step(store, resident, 2, [0, 1])  # LRU: the older requests go, the used guess stays
     assert store.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
+    store.close()
+
+
+def test_reserved_slots_are_top_k_per_layer_ahead_at_most_an_eighth():
+    assert [reserved_slots(64, 2, d) for d in (1, 2, 4)] == [2, 4, 8]
+    assert [reserved_slots(24, 2, d) for d in (1, 2, 4)] == [2, 3, 3]
+    assert reserved_slots(7, 2, 4) == 0
+
+
+def test_reserved_slots_take_guesses_when_requests_fill_the_policy(deep_mixtral):
+    # 16 host slots, depth 2: two reserved for guesses, the LRU policy holds 14
+    store, resident, _ = _four_slot_store(deep_mixtral, guesses := {}, host_slots=16)
+    assert store.guess_slots == 2
+    warm = [(layer, [0, 1]) for layer in range(5)] + [(0, [2, 3]), (1, [2, 3])]
+    for layer, experts in warm:
+        _step(store, resident, layer, experts)
+    requested = {(layer, e) for layer, experts in warm for e in experts}
+    assert store.policies["host"].resident() == set(store.slots["host"]) == requested
+    assert store.pools["host"].n_free == 2 and store.prefetch.counts.reads == 0
+    guesses[2] = [(3, 6), (3, 7), (4, 5)]
+    _step(store, resident, 2, [2, 3])  # the two best guesses take the reserve, the third waits;
+    # the LRU victims (0, 0), (0, 1) kept there give their slots to the admissions, not the reads
+    assert list(store.guesses.slots) == [(3, 6), (3, 7)] and store.prefetch.counts.reads == 2
+    requested = requested - {(0, 0), (0, 1)} | {(2, 2), (2, 3)}  # LRU of 14, as without
+    assert store.policies["host"].resident() == set(store.slots["host"]) == requested
+    before = store.disk.stats.bytes
+    _step(store, resident, 3, [6, 0])  # (3, 6) used: promoted, LRU's victim (1, 0) leaves
+    assert store.disk.stats.bytes == before  # a guess and a host hit: nothing read
+    assert store.policies["host"].resident() == requested - {(1, 0)} | {(3, 6)}
+    # the victim keeps its slot in the reserve; (3, 7), its layer passed, is kept, counted
+    # wasted; the reserve is whole
+    assert list(store.guesses.slots) == [(3, 7), (1, 0)] and not store.pools["host"].n_free
+    assert store.prefetch.counts.used == 1
+    assert store.prefetch.counts.bytes_wasted == store.layouts[3].expert_bytes
+    hits = store.layer_stats[1].host_hits
+    _step(store, resident, 1, [0, 4])  # (1, 0) again: a host hit, back in the policy, LRU's
+    # victim (1, 1) kept; (1, 4) a miss, its victim (2, 0) kept, and its admission takes the
+    # oldest kept slot, (3, 7)'s
+    assert store.disk.stats.bytes - before == store.layouts[1].expert_bytes
+    assert store.layer_stats[1].host_hits == hits + 1
+    assert store.policies["host"].resident() == \
+        requested - {(1, 1), (2, 0)} | {(3, 6), (1, 4)} == set(store.slots["host"])
+    assert list(store.guesses.slots) == [(1, 1), (2, 0)] and not store.pools["host"].n_free
+    assert store.held_bytes()["host"] <= store.budgets["host"]
     store.close()
 
 

@@ -1,13 +1,18 @@
 """Prefetched experts waiting in host slots that the host policy does not hold.
 
-A guess (moeswap.experts.prefetch) may take only a free host slot or the slot of an older guess
-that no request has used; it never enters the host policy, so it never evicts an expert that a
-request brought in or used, and unused guesses are the first to go when a request's admission
-needs a slot. A request for a guess takes its slot and then asks the host policy in with the
-same call it would make without prefetch: the host policy sees the same requests in the same
-order with prefetch on or off, so it holds the same experts, and a wrong guess costs at most its
-read and a slot nobody else wanted. With the host tier full of requested experts there is no
-room for a guess and prefetch does nothing.
+With prefetch on, ``reserved_slots`` of the host slots are kept out of the host policy (its
+capacity is that much smaller; the budget is the same): there a guess always finds room once
+the policy is full. A guess (moeswap.experts.prefetch) may take only a free host slot or the
+slot of an older guess that no request has used; it never enters the host policy, so it never
+evicts an expert that a request brought in or used, and unused guesses are the first to go when
+a request's admission needs a slot. A request for a guess takes its slot and then asks the host
+policy in with the same call it would make without prefetch: the host policy sees the same
+requests in the same order as a policy of its capacity without prefetch, so it holds the same
+experts, and a wrong guess costs at most its read and a reserved slot. The policy's victims
+keep their slots here (bytes in: asked for again, a host hit) until a guess or an admission
+needs one; victims go before unused reads, oldest first. So the reserve is never idle, also
+while the throttle has prefetch off. A used guess the policy admits keeps its slot and its
+victim joins the reserve: the reserve stays whole.
 
 The worker only fills the slot it was given; before a guess's slot is freed or handed to a
 request, its read is cancelled (not started) or waited for (running). Waiting is the one cost a
@@ -24,6 +29,13 @@ from moeswap.experts.tiers import SlotPool
 from moeswap.models.quant_experts import ExpertLayout
 
 Key = tuple[int, int]  # (layer, expert)
+RESERVE_SHARE = 8  # at most one host slot in this many is kept for guesses
+
+
+def reserved_slots(host_slots: int, top_k: int, depth: int) -> int:
+    """Host slots only guesses take: a decode token's picks for each layer ahead, at most one
+    slot in ``RESERVE_SHARE`` (none below that many slots: guesses then take free slots only)."""
+    return min(top_k * depth, host_slots // RESERVE_SHARE)
 
 
 class HostGuesses:
@@ -51,7 +63,7 @@ class HostGuesses:
         """A slot for a new guess: a free one, else the oldest guess not in ``keep`` ->
         whether it got one (its read then waits for ``submit``)."""
         if not self.pool.n_free:
-            victim = next((k for k in self.slots if k not in keep), None)
+            victim = self._first_to_go(keep)
             if victim is None:
                 return False
             self.drop(victim)
@@ -69,7 +81,9 @@ class HostGuesses:
 
     def collect(self, layer: int, needed: set) -> None:
         """Before ``layer`` runs: note reads that landed; cancel those not started for this or
-        earlier layers that it does not need (stale guesses: their slots are freed)."""
+        earlier layers that it does not need (stale guesses: their slots are freed). Landed
+        guesses for those layers were wrong: counted wasted, they stay as kept experts (the
+        first to go; asked for later, a host hit)."""
         for key, job in list(self.reads.items()):
             if job.state == "done":
                 del self.reads[key]
@@ -78,6 +92,10 @@ class HostGuesses:
                 del self.reads[key]
                 self._forget(key)
                 self.prefetch.counts.cancelled += 1
+        for key in [k for k in self._unused if k[0] <= layer and k not in needed]:
+            _, wasted = self._unused.pop(key)
+            self.prefetch.read_outcome(key[0], used=False)
+            self.prefetch.counts.bytes_wasted += wasted
 
     def take(self, key: Key) -> tuple[int, bool]:
         """A request uses this guess: its slot leaves the guesses -> (slot, whether the bytes
@@ -92,15 +110,24 @@ class HostGuesses:
         self.filled.discard(key)
         return self.slots.pop(key), ready
 
-    def put_back(self, key: Key, index: int) -> None:
-        """A used guess the host policy did not admit stays a guess (first to go), bytes in."""
+    def keep(self, key: Key, index: int) -> None:
+        """A used guess the host policy did not admit, or the policy's victim, stays in its
+        slot as a guess (first to go), bytes in: asked for again, it is a host hit."""
         self.slots[key] = index
         self.filled.add(key)
 
     def make_room(self, keep: set) -> None:
-        """A request's admission needs a slot and none is free: the oldest guess not in ``keep``
-        (else the oldest) leaves."""
-        self.drop(next((k for k in self.slots if k not in keep), next(iter(self.slots))))
+        """A request's admission needs a slot and none is free: the first guess to go not in
+        ``keep`` (else the oldest) leaves."""
+        self.drop(self._first_to_go(keep) or next(iter(self.slots)))
+
+    def _first_to_go(self, keep: set) -> Key | None:
+        """Kept experts (victims, used guesses not admitted, guesses whose layer passed) before
+        reads nobody used yet (they are for the layers ahead), oldest first; never one in
+        ``keep``."""
+        others = [k for k in self.slots if k not in keep]
+        return next((k for k in others if k not in self.reads and k not in self._unused),
+                    next(iter(others), None))
 
     def drop(self, key: Key) -> None:
         """Free an unused guess's slot, its read cancelled or waited for first."""
@@ -112,12 +139,15 @@ class HostGuesses:
         self._forget(key)
 
     def pause(self) -> None:
-        """Prefetch turns off: reads not started are dropped with their slots."""
+        """Prefetch turns off: reads not started are dropped with their slots; the rest land
+        and, their layers passed unused, stay as kept experts (counted wasted)."""
         for job in self.worker.cancel_waiting():
             key = (job.layout.layer, job.expert)
             del self.reads[key]
             self._forget(key)
             self.prefetch.counts.cancelled += 1
+        self.settle_all()
+        self.collect(max((k[0] for k in self._unused), default=0), set())
 
     def settle_all(self) -> None:
         """Let every read in flight land (tests check the slots' bytes after it)."""

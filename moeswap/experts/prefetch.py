@@ -19,9 +19,10 @@ rule uses. Reads are issued only
   least ``MIN_PRECISION`` (a budget too small to keep a guess until its layer runs turns
   prefetch off there; one round in ``PROBE_EVERY`` still reads, to notice when that changes);
 - while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses);
-- into a free host slot or the slot of an older guess nobody used: a guess stays outside the
-  host policy until a request uses it, so it never evicts a requested expert
-  (moeswap.experts.guesses); with no such slot, nothing is predicted.
+- into a host slot reserved for guesses (the host policy has that many fewer), free or holding
+  a policy's victim or an older guess nobody used: a guess stays outside the host policy until
+  a request uses it, so it never evicts a requested expert (moeswap.experts.guesses); with no
+  such slot, nothing is predicted.
 
 Reads run on ``ReadWorker``'s thread (``preadv`` releases the GIL, so they overlap the kernels);
 the store decides residency on its own thread (moeswap.experts.store), and hands a layer's reads

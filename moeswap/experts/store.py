@@ -22,9 +22,10 @@ picks with a routing weight under it are dropped and the rest rescaled, and it i
 ``miss_lowbit`` (``--miss-lowbit``) is the other: misses no tier admits are computed from
 low-bit copies held in RAM instead of read from the file (moeswap.experts.lowbit); counted.
 
-With ``prefetch`` on, each layer step first reads guesses for the next layers into free host
-slots on a worker thread, outside the host policy until a request uses them
-(moeswap.experts.guesses), and on a CUDA device tier uploads the guesses worth moving on the copy
+With ``prefetch`` on, a few host slots are reserved for guesses (the host policy gets that many
+fewer; between guesses they keep the policy's latest victims), and each layer step first reads
+guesses for the next layers into them on a worker thread, outside the host policy until a
+request uses them (moeswap.experts.guesses), and on a CUDA device tier uploads the guesses worth moving on the copy
 stream; a throttle turns all of it off where it does not measurably pay
 (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
 
@@ -48,7 +49,7 @@ from moeswap.experts.cost import MissPlanner, Rates
 from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.lowbit import LowBitCopies
 from moeswap.experts.options import kv_bytes_per_token
-from moeswap.experts.guesses import HostGuesses
+from moeswap.experts.guesses import HostGuesses, reserved_slots
 from moeswap.experts.prefetch import Prefetcher, ReadWorker
 from moeswap.experts.stats import LayerStats, total
 from moeswap.experts.tiers import (DiskReader, SlotPool, check_inside_file, slot_bytes,
@@ -142,12 +143,17 @@ class ExpertStore:
         self.on_torch_device = options.device_backend != "ram"
         self.pools = {"device": self._device_pool(options.device_backend, device_slots),
                       "host": SlotPool("host", host_slots, self.slot_size)}
+        prefetching = options.prefetch != "off" and options.prefetch_depth > 0 and host_slots
+        # host slots only guesses take (moeswap.experts.guesses): the host policy has fewer
+        self.guess_slots = (reserved_slots(host_slots, config.n_expert_used,
+                                           options.prefetch_depth) if prefetching else 0)
         self.policies: dict[str, p.CachePolicy] = {}
         for tier, pool in self.pools.items():  # device first: the host pins only what it did not
             held_faster = frozenset(key for policy in self.policies.values()
                                     for key in policy.resident())
             self.policies[tier] = live_policy(
-                options.policy, pool.n_slots, config.n_expert_used, layers,
+                options.policy, pool.n_slots - (self.guess_slots if tier == "host" else 0),
+                config.n_expert_used, layers,
                 self.layouts[layers[0]].n_experts, str(gguf.path), held_faster)
         self.slots: dict[str, dict[tuple[int, int], int]] = {"device": {}, "host": {}}
         self.disk = DiskReader(gguf.path, cold=options.cold_reads)
@@ -159,7 +165,7 @@ class ExpertStore:
         self._step_keys: set[tuple[int, int]] = set()  # the experts of the running layer step
         self._to_upload: set[tuple[int, int]] = set()  # device guesses waiting for their read
         self._prefetch_on = False  # the throttle's word for the current forward
-        if options.prefetch != "off" and options.prefetch_depth > 0 and host_slots:
+        if prefetching:
             self.prefetch = Prefetcher(options.prefetch, options.prefetch_depth, layers,
                                        routers or {}, self.layouts[layers[0]].n_experts,
                                        config.n_expert_used)
@@ -342,7 +348,11 @@ class ExpertStore:
     def _evict(self, tier: str, key, stats: LayerStats) -> None:
         if key is None:
             return
-        self.pools[tier].release(self.slots[tier].pop(key))
+        index = self.slots[tier].pop(key)
+        if tier == "host" and self.guess_slots:  # the reserve keeps it, bytes in, until a
+            self.guesses.keep(key, index)  # guess or an admission needs the slot
+        else:
+            self.pools[tier].release(index)
         if tier == "device":
             stats.device_evictions += 1
         else:
@@ -367,7 +377,7 @@ class ExpertStore:
             self._bound[key] = _Slot(self.kernels, layout, self._slot_array(pool, index))
         return self._bound[key]
 
-    # -- prefetch (moeswap.experts.prefetch): guesses read into free host slots on the worker
+    # -- prefetch (moeswap.experts.prefetch): guesses read into reserved host slots on the worker
     # (moeswap.experts.guesses), and uploaded on the copy stream of a CUDA device tier --------
 
     def _prefetch_running(self, layer: int, n_tokens: int) -> bool:
@@ -382,8 +392,9 @@ class ExpertStore:
 
     def _prefetch_ahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """Before a layer step: check the guesses made for it, drop stale reads, then give the
-        next layers' guesses free host slots (or those of older unused guesses) and hand their
-        reads to the worker in one batch. With no such slot, nothing is predicted."""
+        next layers' guesses free host slots (or those of kept victims, then of older unused
+        guesses) and hand their reads to the worker in one batch. With no such slot, nothing is
+        predicted."""
         needed = {(layer, e) for e in ids.flatten().tolist()}
         self.prefetch.observe(layer, ids)
         self.guesses.collect(layer, needed)
@@ -417,12 +428,10 @@ class ExpertStore:
             self.disk.read_expert(layout, key[1], self.pools["host"].slot(index))
             stats.stall_seconds += self.disk.stats.seconds - before
             stats.disk_bytes += layout.expert_bytes
-        step = self.policies["host"].access(key)
-        if step.admitted:
-            self._evict("host", step.evicted, stats)
+        if self._admit("host", key, self._step_keys - {key}):  # as a miss would be
             self.slots["host"][key] = index
         else:
-            self.guesses.put_back(key, index)
+            self.guesses.keep(key, index)
         return index
 
     def _upload_ahead(self, layer: int, guesses: list[tuple[int, int]], pinned: set) -> None:
