@@ -37,11 +37,11 @@ from pathlib import Path
 import httpx
 
 from moeswap.cli.offload_args import add_offload_arguments
-from moeswap.experts.options import kv_bytes_per_token, parse_size
+from moeswap.experts.options import parse_size
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.server.batching import BatchOptions
-from moeswap.server.budget import charged_positions
+from moeswap.server.budget import charged_bytes
 
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
 WORDS = ("the river", "a small engine", "seven lanterns", "the old map", "winter light",
@@ -190,11 +190,10 @@ def main() -> int:
     if budget.host_mem:  # the same room for experts with one request a step
         host[args.max_batch] = parse_size(budget.host_mem)
         config = config_from_gguf(GGUFFile.open(args.model))
-        charged = {b: charged_positions(config, BatchOptions(max_batch=b, ctx=args.ctx,
-                                                             step_tokens=budget.step_tokens))
+        charged = {b: charged_bytes(config, BatchOptions(max_batch=b, ctx=args.ctx,
+                                                         step_tokens=budget.step_tokens))
                    for b in host}
-        host[1] = host[args.max_batch] - (charged[args.max_batch] - charged[1]) * \
-            kv_bytes_per_token(config)
+        host[1] = host[args.max_batch] - (charged[args.max_batch] - charged[1])
     serve_flags = without_host_mem(serve_flags)
     batched = run_mode(args, serve_flags, args.max_batch, args.ctx, host[args.max_batch])
     single = run_mode(args, serve_flags, 1, args.ctx, host[1])

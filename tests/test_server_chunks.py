@@ -76,13 +76,15 @@ def test_step_tokens_that_cannot_work_are_refused(options, message):
 def test_a_batch_charges_its_contexts_and_a_steps_working_memory(tmp_path):
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
-    from moeswap.server.budget import charged_positions, step_working_bytes
+    from moeswap.server.budget import charged_bytes, step_working_bytes, store_kv_options
 
     # the tiny model: vocabulary 32, 4 query heads, width 64, 512 bytes of KV per position
     config = config_from_gguf(GGUFFile.open(write_model(tmp_path, TEMPLATE)))
     options = BatchOptions(max_batch=2, ctx=32, step_tokens=4)
     # 4 bytes x (2 x 32 logits + 2 x 4 x 32 scores + 16 x 64 activations) per fed token
     assert step_working_bytes(config, options) == 4 * 4 * (64 + 256 + 1024) == 21504
-    assert charged_positions(config, options) == 2 * 32 + 21504 // 512 == 106
-    odd = BatchOptions(max_batch=2, ctx=32, step_tokens=5)  # 26880 bytes: 52.5 positions
-    assert charged_positions(config, odd) == 64 + 53
+    assert charged_bytes(config, options) == 2 * 32 * 512 + 21504 == 54272
+    odd = BatchOptions(max_batch=2, ctx=32, step_tokens=5)
+    assert charged_bytes(config, odd) == 64 * 512 + 26880
+    assert store_kv_options(config, options) == dict(context_tokens=32, sequences=2,
+                                                     step_tokens=4, working_bytes=21504)

@@ -53,8 +53,11 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "position t takes trace token t, wrapping (docs/OFFLOAD.md)")
 
 
-def store_factory(args, context_tokens: int):
-    """The expert runner the flags ask for, or None for all-resident."""
+def store_factory(args, context_tokens: int, sequences: int = 1, step_tokens: int = 0,
+                  working_bytes: int = 0):
+    """The expert runner the flags ask for, or None for all-resident. The host budget is
+    charged for ``sequences`` KV caches of ``context_tokens`` positions fed at most
+    ``step_tokens`` per forward (0: a whole context), and ``working_bytes`` for a step."""
     from moeswap.errors import MoeswapError
 
     if args.host_mem is None:
@@ -78,6 +81,7 @@ def store_factory(args, context_tokens: int):
     return ExpertStore.factory(StoreOptions(
         host_bytes=parse_size(args.host_mem), device_bytes=device, context_tokens=context_tokens,
         policy=args.policy, miss=args.miss, threshold=args.expert_threshold,
+        sequences=sequences, step_tokens=step_tokens, working_bytes=working_bytes,
         cold_reads=args.cold_reads, rates=rates, device_backend=backend, prefetch=args.prefetch,
         prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit))
 

@@ -63,10 +63,12 @@ def run_generate(args) -> int:
             if args.verbose:
                 progress.console.print(line, markup=False)
 
-        context = len(args.prompt.encode()) + 1 + args.n_predict
+        prompt = len(args.prompt.encode()) + 1  # at most a token per byte, and BOS
+        context = prompt + args.n_predict
         if args.plan == "auto":
-            apply_auto_plan(args, model_path, context, progress.console)
-        experts = store_factory(args, context)
+            apply_auto_plan(args, model_path, context, progress.console, prompt)
+        # the prompt goes in one forward: a sliding layer holds window - 1 + its tokens
+        experts = store_factory(args, context, step_tokens=prompt)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
                                expert_runner=experts, recorder=recorder,
                                replay_routing=args.replay_routing)
@@ -100,8 +102,9 @@ def run_generate(args) -> int:
     return 0
 
 
-def apply_auto_plan(args, model_path, context: int, console) -> None:
-    """Set the run's budgets to the plan's for this machine (the flags given stay)."""
+def apply_auto_plan(args, model_path, context: int, console, step_tokens: int) -> None:
+    """Set the run's budgets to the plan's for this machine (the flags given stay);
+    ``step_tokens``: the prompt's, fed in one forward."""
     from moeswap.experts.options import parse_size
     from moeswap.planner.auto import auto_plan, machine_memory
     from moeswap.planner.rates import plan_rates
@@ -109,7 +112,8 @@ def apply_auto_plan(args, model_path, context: int, console) -> None:
     profile = args.policy.removeprefix("pinned:") if args.policy.startswith("pinned:") else None
     auto = auto_plan(model_path, context, machine_memory(), plan_rates({}),
                      parse_size(args.host_mem) if args.host_mem else None,
-                     parse_size(args.device_mem) if args.device_mem else None, profile)
+                     parse_size(args.device_mem) if args.device_mem else None, profile,
+                     step_tokens)
     for line in auto.describe():
         console.print(line, markup=False)
     args.host_mem = None if auto.host_bytes is None else str(auto.host_bytes)

@@ -45,24 +45,25 @@ def register(subparsers) -> None:
     c.set_defaults(handler=run_chat)
 
 
-def _load(args, context_tokens: int, recorder=None):
+def _load(args, charge: dict[str, int], recorder=None):
+    """The runtime; ``charge``: store_factory's KV and working-memory settings."""
     import moeswap
 
     return moeswap.load(args.model, threads=args.threads,
-                        expert_runner=store_factory(args, context_tokens),
+                        expert_runner=store_factory(args, **charge),
                         replay_routing=args.replay_routing, recorder=recorder)
 
 
-def _charged_positions(args, batch) -> int:
-    """KV positions the expert store charges to --host-mem: the batch's contexts and a step's
-    working memory (moeswap.server.budget); without a store nothing is charged."""
+def _batch_charge(args, batch) -> dict[str, int]:
+    """What the expert store charges to --host-mem for a batch: its slots' KV caches and a
+    step's working memory (moeswap.server.budget); without a store nothing is charged."""
     if args.host_mem is None:
-        return 0
+        return dict(context_tokens=0)
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
-    from moeswap.server.budget import charged_positions
+    from moeswap.server.budget import store_kv_options
 
-    return charged_positions(config_from_gguf(GGUFFile.open(args.model)), batch)
+    return store_kv_options(config_from_gguf(GGUFFile.open(args.model)), batch)
 
 
 def run_serve(args) -> int:
@@ -79,7 +80,7 @@ def run_serve(args) -> int:
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
                             ctx_policy=args.ctx_policy, api_key=args.api_key)
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
-    runtime = _load(args, _charged_positions(args, batch), activity)
+    runtime = _load(args, _batch_charge(args, batch), activity)
     uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
                 log_level="info")
     return 0
@@ -95,6 +96,6 @@ def run_chat(args) -> int:
                               min_p=args.min_p, seed=args.seed)
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
                           system=args.system)
-    session = ChatSession(_load(args, args.ctx), options, sampling)
+    session = ChatSession(_load(args, dict(context_tokens=args.ctx)), options, sampling)
     session.run(sys.stdin, sys.stdout)
     return 0

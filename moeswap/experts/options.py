@@ -27,6 +27,19 @@ def parse_size(text: str) -> int:
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
-    """Bytes the KV cache holds per position: float32 keys and values of every layer (one
-    latent for MLA; per layer type for Gemma 4)."""
+    """Bytes one position costs when every layer keeps it: float32 keys and values of every
+    layer (one latent for MLA; per layer type for Gemma 4). Sliding-window layers keep only
+    their window: ``kv_cache_bytes`` is what a cache holds."""
     return 4 * config.kv_floats_per_token
+
+
+def kv_cache_bytes(config: ModelConfig, context: int, sequences: int = 1,
+                   step_tokens: int = 0) -> int:
+    """Bytes of float32 keys and values the caches of ``sequences`` sequences of up to
+    ``context`` positions hold, fed at most ``step_tokens`` tokens per forward (0: a whole
+    context in one forward). Full-attention layers keep every position; a sliding-window
+    layer keeps at most window - 1 + step_tokens (moeswap.models.blocks.KVCache)."""
+    full, swa = config.kv_floats_per_token_by_kind
+    step = step_tokens or context
+    held_swa = min(context, config.sliding_window - 1 + step) if swa else 0
+    return 4 * sequences * (full * context + swa * held_swa)

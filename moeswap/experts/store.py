@@ -48,7 +48,7 @@ from moeswap.experts import policies as p
 from moeswap.experts.cost import MissPlanner, Rates
 from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
 from moeswap.experts.lowbit import LowBitCopies
-from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.options import kv_cache_bytes
 from moeswap.experts.guesses import HostGuesses, reserved_slots
 from moeswap.experts.prefetch import Prefetcher, ReadWorker
 from moeswap.experts.stats import LayerStats, total
@@ -77,7 +77,11 @@ def shared_bytes(gguf: GGUFFile, layers: list[int]) -> int:
 class StoreOptions:
     host_bytes: int  # budget of the host tier; shared weights and the KV cache count in it
     device_bytes: int = 0  # budget of the device tier (0: no device slots)
-    context_tokens: int = 0  # positions the KV cache must hold: charged to the host budget
+    # The KV caches charged to the host budget (moeswap.experts.options.kv_cache_bytes):
+    context_tokens: int = 0  # positions of each sequence
+    sequences: int = 1  # sequences whose caches are held at once (a server's batch slots)
+    step_tokens: int = 0  # most tokens a forward feeds one sequence (0: a whole context)
+    working_bytes: int = 0  # a forward's activations, scores and logits (moeswap.server.budget)
     policy: str = "lru"
     miss: str = "auto"
     threshold: float = 0.0  # --expert-threshold: drop picks weighted under it (approximation)
@@ -120,7 +124,8 @@ class ExpertStore:
         self.slot_size = slot_bytes(list(self.layouts.values()))
         self.shared_bytes = shared_bytes(gguf, layers)
         config = config_from_gguf(gguf)
-        self.kv_bytes = kv_bytes_per_token(config) * options.context_tokens
+        self.kv_bytes = kv_cache_bytes(config, options.context_tokens, options.sequences,
+                                       options.step_tokens)
         # Disk reads that no tier admits land in a ring of staging slots, one per pick of a token.
         self.staging = SlotPool("staging", max(config.n_expert_used, 1), self.slot_size)
         self._ring_next = 0
@@ -128,11 +133,13 @@ class ExpertStore:
         self.lowbit = (LowBitCopies(gguf, self.layouts, options.miss_lowbit)
                        if options.miss_lowbit else None)
         copies = self.lowbit.nbytes if self.lowbit is not None else 0
-        charged = self.shared_bytes + self.kv_bytes + self.staging.nbytes + copies
+        working = options.working_bytes
+        charged = self.shared_bytes + self.kv_bytes + working + self.staging.nbytes + copies
         if options.host_bytes < charged:
             raise MoeswapError(
                 f"--host-mem {options.host_bytes} bytes is below the shared weights "
-                f"({self.shared_bytes} bytes) plus the KV cache ({self.kv_bytes} bytes) and "
+                f"({self.shared_bytes} bytes) plus the KV cache ({self.kv_bytes} bytes)"
+                f"{f', the working memory of a step ({working} bytes)' if working else ''} and "
                 f"{self.staging.n_slots} staging slots"
                 f"{f' and {copies} bytes of --miss-lowbit copies' if copies else ''}; "
                 f"give at least {charged + self.slot_size} bytes")
@@ -502,6 +509,7 @@ class ExpertStore:
                              "experts_resident": len(self.slots[tier])}
                       for tier, held in self.held_bytes().items()},
             "shared_bytes": self.shared_bytes, "kv_bytes": self.kv_bytes,
+            "working_bytes": self.options.working_bytes,
             **({"prefetch": self.prefetch.as_dict()} if self.prefetch is not None else {}),
             **({"lowbit": self.lowbit.as_dict()} if self.lowbit is not None else {}),
         }

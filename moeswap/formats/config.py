@@ -153,6 +153,15 @@ class ModelConfig:
                    for swa in self.swa_layers)
 
     @property
+    def kv_floats_per_token_by_kind(self) -> tuple[int, int]:
+        """(numbers per token on full-attention layers, on sliding-window layers): the
+        sliding ones hold only their window (moeswap.experts.options.kv_cache_bytes)."""
+        if self.kv_lora_rank:  # MLA: every layer caches the latent, none slides
+            return self.kv_floats_per_token, 0
+        swa = sum(2 * self.n_head_kv_swa * self.head_dim_swa for s in self.swa_layers if s)
+        return self.kv_floats_per_token - swa, swa
+
+    @property
     def moe_layers(self) -> list[int]:
         """Layers whose FFN is the MoE block (DeepSeek's leading layers stay dense)."""
         return list(range(self.n_layer_dense_lead, self.n_layer)) if self.is_moe else []

@@ -5,15 +5,16 @@ tokens are concatenated along one axis (N = sum of the sequences' new tokens) fo
 position-wise op, and attention runs per sequence against that sequence's own cache.
 
 Legend used in shape comments: N tokens of the batch, T new tokens of one sequence,
-S cached + new positions of one sequence, D model width, H query heads, K kv heads,
-G = H / K query heads per kv head, E head size, R rotated dims per head, F FFN width.
+S cached + new positions of one sequence (kept ones only, on sliding-window layers), C slots of
+a layer's cache, D model width, H query heads, K kv heads, G = H / K query heads per kv head,
+E head size (V: of the values, where it differs), R rotated dims per head, F FFN width.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,44 +33,102 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class KVCache:
-    """Keys and values of one sequence, one growing buffer per layer: [S, K, E].
+    """Keys and values of one sequence, one buffer of slots per layer: [C, K, E].
+
+    A full-attention layer (window 0) keeps every position in order. A sliding-window layer
+    keeps a ring: a query at position p sees keys at p - window < k <= p, so once a step's
+    new tokens are written only the last window - 1 positions can still be seen, and the
+    ring needs min(length, window - 1) + T slots for a step of T new tokens. Slots are
+    reused in place (no copy per step); the ring grows only when a step needs more, so it
+    never holds more than window - 1 + the largest step's tokens
+    (moeswap.experts.options.kv_cache_bytes charges exactly that). Every slot carries its
+    absolute position, which ``attend`` masks with, so stale slots cost nothing but compute.
 
     Each layer's entry shape is that of its first append, so layers may differ (MLA caches
     one latent per token: keys [S, 1, kv_lora + rope] and zero-width values).
     """
 
-    def __init__(self, n_layer: int):
+    def __init__(self, windows: Sequence[int]):
+        """windows: per layer, its sliding window (0: full attention)."""
         self.length = 0  # positions already processed
-        self._keys: list[torch.Tensor | None] = [None] * n_layer
-        self._values: list[torch.Tensor | None] = [None] * n_layer
+        self.windows = tuple(windows)
+        self._layers: list[_LayerSlots | None] = [None] * len(self.windows)
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' k, v [T, K, E] after `length`; return all [S, K, E] so far."""
-        end = self.length + k.shape[0]
-        keys = self._keys[layer]
-        if keys is None or keys.shape[0] < end:
-            capacity = max(end, 2 * (0 if keys is None else keys.shape[0]), 16)
-            keys = self._grow(keys, capacity, k)
-            self._values[layer] = self._grow(self._values[layer], capacity, v)
-            self._keys[layer] = keys
-        values = self._values[layer]
-        keys[self.length:end] = k
-        values[self.length:end] = v
-        return keys[:end], values[:end]
+    def append(self, layer: int, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store the new tokens' k, v [T, K, E] at positions length..length+T-1; return the
+        kept keys [S, K, E], values [S, K, V] and their absolute positions [S]."""
+        window, n_new = self.windows[layer], k.shape[0]
+        older = min(self.length, window - 1) if window else self.length  # still visible
+        slots = self._layers[layer]
+        if slots is None or slots.capacity < older + n_new:
+            old_capacity = 0 if slots is None else slots.capacity
+            capacity = max(2 * old_capacity, 16)
+            if window:
+                capacity = min(capacity, window - 1 + n_new)
+            slots = _LayerSlots(max(capacity, older + n_new), k, v, slots,
+                                self.length - older, self.length)
+            self._layers[layer] = slots
+        slots.write(k, v, self.length)
+        return slots.kept()
+
+    def capacity(self, layer: int) -> int:
+        """Positions layer's buffer has room for (0 before its first append)."""
+        slots = self._layers[layer]
+        return 0 if slots is None else slots.capacity
 
     def n_floats(self) -> int:
-        """Numbers stored for the committed positions, keys and values of every layer."""
-        return sum(t[: self.length].numel() for t in (*self._keys, *self._values) if t is not None)
+        """Numbers held in written slots, keys and values of every layer: each committed
+        position on full layers, at most window - 1 + the largest step's on sliding ones."""
+        return sum(s.n_floats() for s in self._layers if s is not None)
 
     def advance(self, n_tokens: int) -> None:
         """Commit the tokens every layer has appended."""
         self.length += n_tokens
 
-    def _grow(self, old: torch.Tensor | None, capacity: int, like: torch.Tensor) -> torch.Tensor:
-        new = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype)
-        if old is not None:
-            new[: self.length] = old[: self.length]
-        return new
+
+class _LayerSlots:
+    """One layer's slots: keys [C, K, E], values [C, K, V], positions [C]. Position p lives in
+    slot (p - base) % C, so a step that is run again after a failure rewrites the same slots."""
+
+    def __init__(self, capacity: int, k: torch.Tensor, v: torch.Tensor,
+                 old: "_LayerSlots | None", first_kept: int, length: int):
+        """Room for ``capacity`` positions, holding positions first_kept..length-1 of ``old``."""
+        self.capacity, self.base, self.end = capacity, first_kept, first_kept
+        self.keys = k.new_empty((capacity, *k.shape[1:]))
+        self.values = v.new_empty((capacity, *v.shape[1:]))
+        self.positions = torch.empty(capacity, dtype=torch.long)
+        if old is not None and length > first_kept:
+            at, n = old.slots(first_kept, length), length - first_kept  # oldest first
+            self.keys[:n], self.values[:n] = old.keys[at], old.values[at]
+            self.positions[:n] = old.positions[at]
+            self.end = length
+
+    def slots(self, first: int, end: int) -> slice | torch.Tensor:
+        """Where positions first..end-1 live: a slice when they do not wrap (the common
+        case), else their slots [end - first]."""
+        start = (first - self.base) % self.capacity
+        if start + end - first <= self.capacity:
+            return slice(start, start + end - first)
+        return (torch.arange(first, end) - self.base) % self.capacity
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
+        """k [T, K, E], v [T, K, V] at positions first..first+T-1."""
+        at = self.slots(first, first + k.shape[0])
+        self.keys[at], self.values[at] = k, v
+        self.positions[at] = torch.arange(first, first + k.shape[0])
+        self.end = first + k.shape[0]
+
+    @property
+    def filled(self) -> int:
+        return min(self.end - self.base, self.capacity)
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = self.filled
+        return self.keys[:n], self.values[:n], self.positions[:n]
+
+    def n_floats(self) -> int:
+        return self.keys[:self.filled].numel() + self.values[:self.filled].numel()
 
 
 @dataclass
@@ -169,18 +228,20 @@ class Attention:
         q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
         out = torch.empty_like(q)
         for (start, end), cache in zip(batch.spans, batch.caches):
-            keys, values = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
-            out[start:end] = attend(s, q[start:end], keys, values, cache.length, w.sinks)
+            keys, values, k_pos = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
+            out[start:end] = attend(s, q[start:end], keys, values, cache.length, k_pos, w.sinks)
         return w.wo(out.flatten(1))  # [N, D]
 
 
 def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           past: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, E] at positions past..past+T-1 against keys [S, K, E], values [S, K, V] -> [T, H, V].
+           past: int, k_pos: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, E] at positions past..past+T-1 against keys [S, K, E], values [S, K, V] at
+    positions k_pos [S] (any order) -> [T, H, V]. A query at p sees keys at k <= p, and with a
+    window only p - k < window (llama.cpp's is_masked_swa: masked when p - k >= n_swa).
 
     A sink is one more logit per head in the softmax, with no value (GPT-OSS).
     """
-    n_new, n_all = q.shape[0], keys.shape[0]
+    n_new = q.shape[0]
     group = s.n_head // s.n_head_kv
     qg = q.view(n_new, s.n_head_kv, group, s.head_dim).permute(1, 2, 0, 3)  # [K, G, T, E]
     kt = keys.permute(1, 2, 0)[:, None]  # [K, 1, E, S]
@@ -188,7 +249,7 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
     if s.softcap:
         scores = torch.tanh(scores / s.softcap) * s.softcap
     q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]
-    k_pos = torch.arange(n_all)[None, :]  # [1, S]
+    k_pos = k_pos[None, :]  # [1, S]
     visible = k_pos <= q_pos
     if s.window:
         visible &= q_pos - k_pos < s.window

@@ -51,7 +51,9 @@ class CausalLM:
         self.recorder = recorder  # told the batch layout; the MoE blocks hand it their decisions
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config.n_layer)
+        """An empty cache whose sliding-window layers keep only what they can still see."""
+        c = self.config
+        return KVCache([c.sliding_window if swa else 0 for swa in c.swa_layers])
 
     @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> list[torch.Tensor]:

@@ -57,8 +57,8 @@ class Gemma4Attention:
         v = rms_norm(v, 1.0, s.eps)  # weightless value norm
         out = torch.empty_like(q)
         for (start, end), cache in zip(batch.spans, batch.caches):
-            keys, values = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
-            out[start:end] = attend(s, q[start:end], keys, values, cache.length)
+            keys, values, k_pos = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
+            out[start:end] = attend(s, q[start:end], keys, values, cache.length, k_pos)
         return self.wo(out.flatten(1))  # [N, D]
 
 

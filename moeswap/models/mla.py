@@ -76,8 +76,9 @@ class MLAttention:
         out = queries.new_empty(x.shape[0], self.n_head, self.rank)  # [N, H, L]
         for (start, end), cache in zip(batch.spans, batch.caches):
             new = keys_new[start:end]
-            keys, _ = cache.append(self.layer, new, new[..., :0])  # [S, 1, L+R]; values are the latents
+            # keys [S, 1, L+R]; the values are the latents, so none are stored
+            keys, _, k_pos = cache.append(self.layer, new, new[..., :0])
             out[start:end] = attend(self.spec, queries[start:end], keys, keys[..., :self.rank],
-                                    cache.length)
+                                    cache.length, k_pos)
         heads = torch.einsum("nhl,hvl->nhv", out, w.wv_b)  # [N, H, V]
         return w.wo(heads.flatten(1))  # [N, D]

@@ -88,8 +88,9 @@ def device_computable(path: str | Path) -> bool:
 
 def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rates: PlanRates,
               host_bytes: int | None = None, device_bytes: int | None = None,
-              profile_path: str | None = None) -> AutoPlan:
-    """The plan for ``machine`` (budgets given here win over its memory) and the run's budgets.
+              profile_path: str | None = None, step_tokens: int = 0) -> AutoPlan:
+    """The plan for ``machine`` (budgets given here win over its memory) and the run's budgets;
+    ``step_tokens``: the most tokens one forward feeds (the run's prompt; 0: a whole context).
     A plan that cannot fit raises the planner's refusal."""
     if Path(model_path).is_dir():
         raise MoeswapError(f"{model_path}: --plan auto reads a GGUF header; convert the folder "
@@ -112,7 +113,8 @@ def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rat
         gf.close()
     profile = Profile.load(profile_path) if profile_path else None
     try:
-        plan = make_plan(sizes, Budget(device_bytes, host_bytes, context_tokens), rates, profile)
+        budget = Budget(device_bytes, host_bytes, context_tokens, step_tokens=step_tokens)
+        plan = make_plan(sizes, budget, rates, profile)
     except MoeswapError as refusal:
         if not from_machine:
             raise

@@ -36,6 +36,7 @@ class Budget:
     host_bytes: int
     context: int  # positions per sequence
     batch: int = 1  # sequences decoded together
+    step_tokens: int = 0  # most tokens one forward feeds a sequence (0: a whole context)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Plan:
 
 def check_fits(sizes: ModelSizes, budget: Budget) -> None:
     """Refuse a host budget below what the store charges, saying by how much and what to change."""
-    kv = sizes.store_kv_bytes(budget.context, budget.batch)
+    kv = sizes.store_kv_bytes(budget.context, budget.batch, budget.step_tokens)
     staging = max(sizes.top_k, 1) * sizes.slot_bytes
     need = sizes.shared_bytes + kv + staging
     if budget.host_bytes >= need:
@@ -199,7 +200,7 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
     if not sizes.moe_layers:
         raise MoeswapError(f"{sizes.path}: no routed experts; the planner is for MoE models")
     check_fits(sizes, budget)
-    kv = sizes.store_kv_bytes(budget.context, budget.batch)
+    kv = sizes.store_kv_bytes(budget.context, budget.batch, budget.step_tokens)
     staging = max(sizes.top_k, 1) * sizes.slot_bytes
     charged = sizes.shared_bytes + kv + staging
     all_experts = sizes.n_expert * len(sizes.moe_layers)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.options import kv_cache_bytes
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import ModelConfig, config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -61,11 +61,7 @@ class ModelSizes:
 
     def kv_floats(self) -> tuple[int, int]:
         """(values per token on full-attention layers, on sliding-window layers)."""
-        c = self.config
-        if c.kv_lora_rank:  # MLA: every layer caches the latent, none slides
-            return c.kv_floats_per_token, 0
-        swa = sum(2 * c.n_head_kv_swa * c.head_dim_swa for s in c.swa_layers if s)
-        return c.kv_floats_per_token - swa, swa
+        return self.config.kv_floats_per_token_by_kind
 
     def kv_bytes(self, context: int, value_bytes: int, sequences: int = 1) -> int:
         """The cache for ``sequences`` of ``context`` positions; sliding layers keep the window."""
@@ -73,10 +69,11 @@ class ModelSizes:
         window = min(context, self.config.sliding_window or context)
         return sequences * value_bytes * (full * context + swa * window)
 
-    def store_kv_bytes(self, context: int, sequences: int = 1) -> int:
-        """What moeswap's expert store charges the host budget for the cache: float32 at every
-        position, sliding layers included (moeswap's runtime keeps them all)."""
-        return sequences * kv_bytes_per_token(self.config) * context
+    def store_kv_bytes(self, context: int, sequences: int = 1, step_tokens: int = 0) -> int:
+        """What moeswap's expert store charges the host budget for the cache: float32, every
+        position on full layers; a sliding layer keeps window - 1 + the most tokens a forward
+        feeds a sequence (``step_tokens``; 0: a whole context, as a prompt filling it is fed)."""
+        return kv_cache_bytes(self.config, context, sequences, step_tokens)
 
 
 def model_sizes(gf: GGUFFile) -> ModelSizes:

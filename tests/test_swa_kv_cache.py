@@ -1,0 +1,209 @@
+"""Sliding-window layers keep only the positions they can still see, with unchanged logits.
+
+Tiny Gemma 3, GPT-OSS and Gemma 4 models with a 5-token window run 40 tokens (the window is
+crossed many times) with moeswap's trimming KVCache and with a cache that keeps every position
+(``FullHistory`` below: ``attend`` over the whole key history, as before trimming). Logits must
+agree within 1e-5 relative and in every argmax, for one-chunk prefill, token-by-token decode,
+chunks longer and shorter than the window, and a batch of two sequences of different lengths.
+The sliding layers' buffers stay at window - 1 + the largest step's tokens, and
+``kv_cache_bytes`` charges exactly what the cache holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from moeswap.experts.options import kv_bytes_per_token, kv_cache_bytes
+from moeswap.formats.config import ModelConfig
+from moeswap.models import KVCache, load_model
+
+WINDOW = 5
+N_TOKENS = 40
+TOKENS = torch.randint(0, tiny_models.VOCAB, (N_TOKENS,),
+                       generator=torch.Generator().manual_seed(3))
+SWA_FAMILIES = ("gemma3", "gpt_oss", "gemma4")
+
+
+class FullHistory:
+    """A cache that keeps every position of every layer: the reference."""
+
+    def __init__(self):
+        self.length = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def append(self, layer, k, v):
+        self.keys[layer] = torch.cat((self.keys[layer], k)) if layer in self.keys else k
+        self.values[layer] = torch.cat((self.values[layer], v)) if layer in self.values else v
+        return self.keys[layer], self.values[layer], torch.arange(self.keys[layer].shape[0])
+
+    def advance(self, n_tokens):
+        self.length += n_tokens
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(scope="module", params=SWA_FAMILIES)
+def family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    reference = tiny_models.build(request.param, sliding_window=WINDOW)
+    reference.save_pretrained(folder)
+    model = load_model(folder)
+    assert model.config.sliding_window == WINDOW and any(model.config.swa_layers)
+    return request.param, reference, model
+
+
+def run_chunks(model, cache, chunks: list[int]) -> torch.Tensor:
+    """Feed TOKENS in chunks of these sizes; the logits of every position [N_TOKENS, V]."""
+    out, at = [], 0
+    for n in chunks:
+        out.append(model.forward([TOKENS[at:at + n]], [cache])[0])
+        at += n
+    assert at == N_TOKENS
+    return torch.cat(out)
+
+
+def assert_same(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert relative_error(out, ref) <= 1e-5
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+SCHEDULES = {
+    "one chunk": [N_TOKENS],
+    "token by token": [1] * N_TOKENS,
+    "chunks longer and shorter than the window": [3, 9, 2, 12, 1, 6, 7],
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_trimmed_cache_gives_the_full_history_logits(family, schedule):
+    _, _, model = family
+    chunks = SCHEDULES[schedule]
+    reference = run_chunks(model, FullHistory(), chunks)
+    cache = model.new_cache()
+    assert_same(run_chunks(model, cache, chunks), reference)
+    assert cache.length == N_TOKENS
+    c = model.config
+    for layer, swa in enumerate(c.swa_layers):  # every layer kept only what a step needs
+        assert cache.capacity(layer) <= (WINDOW - 1 + max(chunks) if swa else 2 * N_TOKENS)
+
+
+def test_trimmed_cache_matches_transformers_past_the_window(family):
+    _, reference, model = family
+    expected = tiny_models.reference_logits(reference, TOKENS.tolist())
+    assert relative_error(run_chunks(model, model.new_cache(), [1] * N_TOKENS), expected) <= 1e-4
+
+
+def test_batch_of_two_sequences_of_different_lengths(family):
+    """Two sequences in the same forwards: one 40 tokens long, one 23, at their own positions,
+    each step a different chunk size for each."""
+    _, _, model = family
+    steps = [(7, 2), (1, 9), (12, 1), (1, 1), (6, 10), (13, 0)]  # tokens of (first, second)
+    caches, refs = [model.new_cache(), model.new_cache()], [FullHistory(), FullHistory()]
+    got, want = ([], []), ([], [])
+    at = [0, 0]
+    for sizes in steps:
+        rows = [(i, TOKENS[at[i]:at[i] + n].flip(0) if i else TOKENS[at[i]:at[i] + n])
+                for i, n in enumerate(sizes) if n]
+        outs = model.forward([ids for _, ids in rows], [caches[i] for i, _ in rows])
+        ref_outs = model.forward([ids for _, ids in rows], [refs[i] for i, _ in rows])
+        for (i, ids), out, ref in zip(rows, outs, ref_outs):
+            got[i].append(out)
+            want[i].append(ref)
+            at[i] += ids.numel()
+    assert at == [N_TOKENS, 23]
+    for i in range(2):
+        assert_same(torch.cat(got[i]), torch.cat(want[i]))
+
+
+def test_sliding_buffers_stay_bounded_and_the_charge_is_exact(family):
+    """Decoding 4 windows token by token: a sliding layer's buffer is window - 1 + 1 slots;
+    after a 12-token prefill it is window - 1 + 12 for good, never the context."""
+    _, _, model = family
+    c = model.config
+    cache = model.new_cache()
+    run_chunks(model, cache, [1] * N_TOKENS)
+    for layer, swa in enumerate(c.swa_layers):
+        assert cache.capacity(layer) == WINDOW if swa else cache.capacity(layer) >= N_TOKENS
+    assert 4 * cache.n_floats() == kv_cache_bytes(c, N_TOKENS, step_tokens=1)
+    assert kv_cache_bytes(c, N_TOKENS, step_tokens=1) < kv_bytes_per_token(c) * N_TOKENS
+
+    cache = model.new_cache()
+    run_chunks(model, cache, [12] + [1] * (N_TOKENS - 12))
+    for layer, swa in enumerate(c.swa_layers):
+        if swa:
+            assert cache.capacity(layer) == WINDOW - 1 + 12
+    assert 4 * cache.n_floats() == kv_cache_bytes(c, N_TOKENS, step_tokens=12)
+
+
+def test_a_step_run_again_after_a_failure_rewrites_its_slots():
+    """A forward that fails after appending (the cache not advanced) and is run again with
+    fewer tokens must not leave the failed step's keys visible at the same positions."""
+    cache = KVCache([3])
+    for pos in range(6):
+        cache.append(0, torch.full((1, 1, 1), float(pos)), torch.zeros(1, 1, 1))
+        cache.advance(1)
+    cache.append(0, torch.full((4, 1, 1), -1.0), torch.zeros(4, 1, 1))  # fails before advance
+    keys, _, positions = cache.append(0, torch.full((1, 1, 1), 6.0), torch.zeros(1, 1, 1))
+    seen = {int(p): float(k) for k, p in zip(keys.flatten(), positions) if 6 - 3 < p <= 6}
+    assert seen == {4: 4.0, 5: 5.0, 6: 6.0}
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """Gemma 3 pattern: layers 0-4 slide, layer 5 is global; 2 kv heads of 16: 64 numbers a
+    layer per position (keys and values)."""
+    fields = dict(arch="gemma3", n_vocab=32, n_embd=64, n_layer=6, n_head=4, n_head_kv=2,
+                  n_ctx_train=256, rms_eps=1e-6, head_dim=16, sliding_window=8)
+    return ModelConfig(**{**fields, **overrides})
+
+
+def test_kv_cache_bytes_by_hand():
+    c = tiny_config()
+    assert c.kv_floats_per_token_by_kind == (64, 5 * 64)
+    # full layer x context + sliding layers x min(context, window - 1 + step), float32
+    assert kv_cache_bytes(c, 100, step_tokens=1) == 4 * (64 * 100 + 320 * 8) == 35840
+    assert kv_cache_bytes(c, 100, step_tokens=16) == 4 * (64 * 100 + 320 * 23) == 55040
+    assert kv_cache_bytes(c, 100, sequences=3, step_tokens=16) == 3 * 55040
+    assert kv_cache_bytes(c, 5, step_tokens=1) == 4 * 384 * 5  # inside the window: all held
+    assert kv_cache_bytes(c, 100) == 4 * 384 * 100 == kv_bytes_per_token(c) * 100  # one forward
+    no_window = tiny_config(sliding_window=0)
+    assert kv_cache_bytes(no_window, 100, step_tokens=1) == 4 * 384 * 100
+    mla = ModelConfig(arch="deepseek2", n_vocab=32, n_embd=64, n_layer=3, n_head=4, n_head_kv=1,
+                      n_ctx_train=256, rms_eps=1e-6, kv_lora_rank=32, n_rot=8)
+    assert kv_cache_bytes(mla, 10, step_tokens=1) == 4 * 3 * 40 * 10
+
+
+def test_gemma4_sliding_layers_have_their_own_heads():
+    """Sliding layers 2 kv heads of 16, global 1 kv head of 32 with keys as values (still
+    cached as values), window 4: a layer of each kind."""
+    c = ModelConfig(arch="gemma4", n_vocab=32, n_embd=64, n_layer=2, n_head=4, n_head_kv=1,
+                    n_ctx_train=256, rms_eps=1e-6, head_dim=32, head_dim_swa=16,
+                    n_head_kv_swa=2, sliding_window=4, swa_layers=(True, False))
+    assert kv_cache_bytes(c, 50, step_tokens=2) == 4 * (2 * 32 * 50 + 2 * 2 * 16 * 5)
+
+
+def test_the_store_charges_the_trimmed_cache_and_a_steps_working_memory(tmp_path):
+    """GPT-OSS tiny in Q8_0: layers 0 and 2 slide, layer 1 is global, 2 kv heads of 16."""
+    from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+    from moeswap.formats.config import config_from_gguf
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.gguf_tools.convert import convert
+    from moeswap.planner.sizes import model_sizes
+    from moeswap.quant import CpuKernels
+
+    tiny_models.save("gpt_oss", tmp_path / "hf", sliding_window=WINDOW)
+    gguf = GGUFFile.open(convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0"))
+    config = config_from_gguf(gguf)
+    assert config.swa_layers == (True, False, True)
+    assert config.kv_floats_per_token_by_kind == (2 * 2 * 16, 2 * 2 * 2 * 16)
+    options = StoreOptions(host_bytes=2**30, context_tokens=1000, sequences=3, step_tokens=16,
+                           working_bytes=777)
+    store = ExpertStore(gguf, CpuKernels(1), config.moe_layers, config.expert_act, options)
+    assert store.kv_bytes == 4 * 3 * (64 * 1000 + 128 * (WINDOW - 1 + 16)) == 798720
+    assert store.charged["host"] == (shared_bytes(gguf, config.moe_layers) + 798720 + 777
+                                     + store.staging.nbytes)
+    assert model_sizes(gguf).store_kv_bytes(1000, 3, 16) == store.kv_bytes  # the planner agrees
