@@ -6,10 +6,14 @@ crossed many times) with moeswap's trimming KVCache and with a cache that keeps 
 agree within 1e-5 relative and in every argmax, for one-chunk prefill, token-by-token decode,
 chunks longer and shorter than the window, and a batch of two sequences of different lengths.
 The sliding layers' buffers stay at window - 1 + the largest step's tokens, and
-``kv_cache_bytes`` charges exactly what the cache holds.
+``kv_cache_bytes`` charges exactly what the cache holds (store, planner, server); the planner's
+llama.cpp KV counts the sliding cells llama.cpp allocates (window + micro-batch, padded).
 """
 
 from __future__ import annotations
+
+import ctypes
+import re
 
 import pytest
 import torch
@@ -207,3 +211,54 @@ def test_the_store_charges_the_trimmed_cache_and_a_steps_working_memory(tmp_path
     assert store.charged["host"] == (shared_bytes(gguf, config.moe_layers) + 798720 + 777
                                      + store.staging.nbytes)
     assert model_sizes(gguf).store_kv_bytes(1000, 3, 16) == store.kv_bytes  # the planner agrees
+
+
+_KEEP_ALIVE: list = []  # llama.cpp keeps calling the log callback after the test
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_keeps_the_window_and_a_micro_batch(tmp_path):
+    """llama.cpp without --swa-full (llama-server's and llama-cli's default) gives sliding
+    layers window + -ub 512 cells per sequence, padded to 256: the planner's llama.cpp KV
+    counts the same cells and bytes."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
+                                    "(CI installs it)")
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.gguf_tools.convert import convert
+    from moeswap.planner.llama_cpp import kv_bytes
+    from moeswap.planner.placement import Budget
+    from moeswap.planner.sizes import model_sizes
+
+    tiny_models.save("gpt_oss", tmp_path / "hf", sliding_window=WINDOW)
+    path = convert(tmp_path / "hf", tmp_path / "model.f32.gguf", "f32")
+    sizes = model_sizes(GGUFFile.open(path))
+    assert sizes.llama_cpp_swa_cells() == 768  # 5 + 512, padded to 256
+    log: list[str] = []
+
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user):
+        log.append(text.decode(errors="replace"))
+
+    _KEEP_ALIVE.append(collect)
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(),
+                                                 llama_cpp.llama_model_default_params())
+    assert model
+    full, swa = sizes.kv_floats()
+    for n_ctx, n_seq in [(4096, 1), (8192, 2)]:
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = n_ctx, n_seq
+        params.swa_full = False  # the C API's default is a full-size cache; the tools' is not
+        log.clear()
+        context = llama_cpp.llama_init_from_model(model, params)
+        assert context
+        llama_cpp.llama_free(context)
+        caches = [line for line in log if "llama_kv_cache: size =" in line]  # global, sliding
+        cells = [int(re.search(r"\(\s*(\d+) cells", line).group(1)) for line in caches]
+        mib = [float(re.search(r"size =\s+([\d.]+) MiB", line).group(1)) for line in caches]
+        ctx = n_ctx // n_seq  # llama-server splits -c among -np slots
+        assert cells == [ctx, 768]
+        by_kind = [2 * n_seq * full * ctx, 2 * n_seq * swa * 768]  # f16 bytes
+        assert all(abs(b / 2**20 - m) <= 0.0051 for b, m in zip(by_kind, mib))  # printed %.2f
+        assert kv_bytes(sizes, Budget(0, 0, ctx, n_seq)) == sum(by_kind)
+    llama_cpp.llama_model_free(model)

@@ -47,8 +47,13 @@ class LlamaCppPlan:
         return shlex.join(self.args)
 
 
+def kv_bytes(sizes: ModelSizes, budget: Budget) -> int:
+    """llama.cpp's f16 cache: sliding layers keep the window and a micro-batch of cells."""
+    return sizes.kv_bytes(budget.context, F16_BYTES, budget.batch, sizes.llama_cpp_swa_cells())
+
+
 def _kv_by_layer(sizes: ModelSizes, budget: Budget) -> float:
-    return sizes.kv_bytes(budget.context, F16_BYTES, budget.batch) / sizes.config.n_layer
+    return kv_bytes(sizes, budget) / sizes.config.n_layer
 
 
 def layers_by_spread(sizes: ModelSizes, profile: Profile) -> list[int]:
@@ -67,7 +72,7 @@ def layers_by_spread(sizes: ModelSizes, profile: Profile) -> list[int]:
 def plan_llama_cpp(sizes: ModelSizes, budget: Budget, rates: PlanRates,
                    profile: Profile | None = None) -> LlamaCppPlan:
     n_layer = sizes.config.n_layer
-    kv = sizes.kv_bytes(budget.context, F16_BYTES, budget.batch)
+    kv = kv_bytes(sizes, budget)
     expert_tensor = {layer: size * sizes.n_expert for layer, size in sizes.expert_bytes_by_layer.items()}
     room = max(budget.device_bytes - GPU_RESERVE, 0)
     blocks = sum(sizes.layer_bytes.values()) + sizes.output_bytes + kv

@@ -18,6 +18,7 @@ from moeswap.formats.gguf_moe import EMBEDDING, ROUTED, MoEView
 from moeswap.models.quant_experts import ExpertLayout
 
 F16_BYTES = 2  # llama.cpp's default cache type (-ctk f16 -ctv f16); vLLM and SGLang's bf16 too
+LLAMA_CPP_UBATCH = 512  # llama.cpp's default micro-batch (-ub)
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,19 @@ class ModelSizes:
         """(values per token on full-attention layers, on sliding-window layers)."""
         return self.config.kv_floats_per_token_by_kind
 
-    def kv_bytes(self, context: int, value_bytes: int, sequences: int = 1) -> int:
-        """The cache for ``sequences`` of ``context`` positions; sliding layers keep the window."""
+    def kv_bytes(self, context: int, value_bytes: int, sequences: int = 1,
+                 swa_cells: int = 0) -> int:
+        """The cache for ``sequences`` of ``context`` positions; sliding layers keep
+        ``swa_cells`` of them (0: the window)."""
         full, swa = self.kv_floats()
-        window = min(context, self.config.sliding_window or context)
-        return sequences * value_bytes * (full * context + swa * window)
+        held = min(context, swa_cells or self.config.sliding_window or context)
+        return sequences * value_bytes * (full * context + swa * held)
+
+    def llama_cpp_swa_cells(self) -> int:
+        """Cells llama.cpp's sliding-window cache keeps per sequence (llama_kv_cache_iswa
+        without --swa-full): the window and one micro-batch, padded to 256."""
+        window = self.config.sliding_window
+        return -(-(window + LLAMA_CPP_UBATCH) // 256) * 256 if window else 0
 
     def store_kv_bytes(self, context: int, sequences: int = 1, step_tokens: int = 0) -> int:
         """What moeswap's expert store charges the host budget for the cache: float32, every
