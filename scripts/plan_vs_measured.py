@@ -11,7 +11,7 @@ big by scripts/bench_decode.py's writer into --work-dir), a generated Mixtral-sh
 The plan's hit rate comes from a routing trace of other text than the measured run (``moeswap
 plan --profile TRACE.npz``: the store's LRU replayed over it); the measured runs use the store's
 default policy, LRU, with prefetch off (the plan does not model prefetch). The shipped model:
-the trace is ``moeswap trace`` of PLAN_PROMPTS (bench/batch8_prompts.json less the one that
+the trace is ``moeswap trace`` of PLAN_PROMPTS (moeswap/bench/inputs/batch8_prompts.json less the one that
 begins like PROMPT), each decoding as many tokens as a measured run, and the plan replays each
 prompt from an empty cache, as a run starts; the measured runs decode PROMPT. The generated
 model's random router spreads near-uniformly, so for realistic routing its measured runs replay
@@ -53,7 +53,7 @@ SHIPPED = ROOT / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"
 PROMPT = "def parse_args(argv):\n    "
 # the plan's trace: seven varied beginnings of stdlib-style code, never the measured text (the
 # batch's parse_args prompt begins like PROMPT, so it is left out)
-PLAN_PROMPTS = [text for text in json.loads((ROOT / "bench" / "batch8_prompts.json").read_text())
+PLAN_PROMPTS = [text for text in json.loads((ROOT / "moeswap" / "bench" / "inputs" / "batch8_prompts.json").read_text())
                 ["prompts"] if not text.startswith(PROMPT.split("(")[0])]
 TOLERANCE = 0.25
 

@@ -1,6 +1,6 @@
 """The benchmark's scenarios and the runs each one makes.
 
-Scenarios (inputs shipped in the repository's ``bench/`` folder):
+Scenarios (inputs shipped in the package, ``moeswap/bench/inputs/``):
 
 - ``long``: one long multi-turn conversation, prompt filling the context up to ``long_context``
   tokens (8192 at full size), then a greedy continuation.
@@ -76,7 +76,7 @@ class Inputs:
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise MoeswapError(f"{folder}: the benchmark inputs {', '.join(missing)} are missing; "
-                               "point --inputs at the repository's bench/ folder")
+                               "point --inputs at a folder that holds them")
         turns = json.loads((folder / names[0]).read_text())["turns"]
         conversation = "".join(f"### {t['role'].title()}\n{t['content']}\n" for t in turns)
         prompts = json.loads((folder / names[1]).read_text())["prompts"]

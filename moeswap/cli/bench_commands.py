@@ -12,7 +12,7 @@ from moeswap.bench.scenarios import SCENARIOS
 from moeswap.cli.offload_args import add_offload_arguments
 from moeswap.errors import MoeswapError
 
-INPUTS = Path(__file__).resolve().parents[2] / "bench"  # the repository's bench/ folder
+INPUTS = Path(__file__).resolve().parents[1] / "bench" / "inputs"  # shipped as package data
 
 
 def register(subparsers) -> None:
@@ -40,7 +40,7 @@ def register(subparsers) -> None:
     p.add_argument("--resident", default="0,4,8,16",
                    help="resident-sweep's experts per MoE layer (0,4,8,16)")
     p.add_argument("--inputs", default=str(INPUTS), metavar="DIR",
-                   help="the scenario texts (default: the repository's bench/)")
+                   help="the scenario texts (default: the ones shipped in moeswap/bench/inputs/)")
     p.add_argument("--timeout", type=float, default=900, metavar="S",
                    help="a run still going after S seconds is stopped and recorded (900)")
     add_offload_arguments(p)

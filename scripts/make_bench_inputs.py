@@ -1,8 +1,8 @@
-"""Writes bench/long_conversation.json: a multi-turn conversation about the Python standard
+"""Writes moeswap/bench/inputs/long_conversation.json: a multi-turn conversation about the Python standard
 library whose answers are functions taken from held-out stdlib files (every 20th file, the
 rule of training/train.py), so the built-in model sees text like its training data.
 
-    python bench/make_inputs.py     # rewrites the file; the stdlib sources are PSF-licensed
+    python scripts/make_bench_inputs.py     # rewrites the file; the stdlib sources are PSF-licensed
 
 The other inputs (batch8_prompts.json, conflict_prompt.txt) are written by hand.
 """
@@ -57,9 +57,9 @@ def main() -> None:
             chars += len(turns[-1]["content"]) + len(turns[-2]["content"])
         if chars >= TARGET_CHARS:
             break
-    out = Path(__file__).with_name("long_conversation.json")
+    out = Path(__file__).resolve().parents[1] / "moeswap" / "bench" / "inputs" / "long_conversation.json"
     out.write_text(json.dumps({"source": "functions from held-out Python 3.11 stdlib files "
-                                         "(PSF licence), written by bench/make_inputs.py",
+                                         "(PSF licence), written by scripts/make_bench_inputs.py",
                                "turns": turns}, indent=1) + "\n")
     print(f"{out}: {len(turns)} turns, {chars} characters")
 
