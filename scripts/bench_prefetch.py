@@ -211,7 +211,8 @@ def stress(args) -> None:
             factory.store.prefetch._reads_wanted = lambda target, depth: True
         tokens, threads, rss = [], [], []
         for generation in range(args.steps // 64):
-            tokens += list(rt.generate(f"{PROMPT}    # {generation}\n", 64, temperature=0))
+            tokens += list(rt.generate(f"{args.prompt}    # {generation}\n", 64,
+                                       temperature=0))
             threads.append(threading.active_count())
             rss.append(rss_anon())
         runs[name] = tokens

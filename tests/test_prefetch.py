@@ -6,7 +6,6 @@ recall and precision counted right; the gate predictor is the next router's top-
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -16,7 +15,6 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.experts.device import TorchDeviceSlots
-from moeswap.experts.guesses import reserved_slots
 from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, Prefetcher,
                                       Throttle)
 from moeswap.experts.store import ExpertStore, StoreOptions
@@ -36,14 +34,6 @@ MODES = ["gate", "history", "both"]
 POLICIES = ["lru", "lfu", "lfuda", "arc", "s3fifo", "window:4", "admit:2"]
 
 
-@pytest.fixture(scope="module")
-def deep_mixtral(tmp_path_factory):
-    """Five MoE layers of eight experts: room for guesses up to four layers ahead."""
-    folder = tmp_path_factory.mktemp("prefetch")
-    tiny_models.save("mixtral", folder / "hf", num_local_experts=8, num_hidden_layers=5)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
-
-
 @pytest.fixture(scope="module", params=["qwen2moe", "deepseek2", "gpt_oss", "gemma4"])
 def other_family(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"prefetch-{request.param}")
@@ -58,6 +48,13 @@ def held_on(store):
     return store
 
 
+def reading_every_guess(store):
+    """Held on, and the precision rules bypassed too: every guess is read, right or wrong."""
+    if held_on(store).prefetch is not None:
+        store.prefetch._reads_wanted = lambda target, depth: True
+    return store
+
+
 def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
     resident = load_model(deep_mixtral, threads=1, expert_runner=QuantResidentExperts)
     expected = decode_logits(resident)
@@ -67,7 +64,7 @@ def test_logits_are_bitwise_equal_with_prefetch_on_and_off(deep_mixtral):
             for host_slots in (1, 2 * len(layers)):
                 model, factory = store_model(deep_mixtral, host_slots, prefetch=mode,
                                              prefetch_depth=depth)
-                held_on(factory.store)
+                reading_every_guess(factory.store)
                 assert torch.equal(decode_logits(model), expected), (mode, depth, host_slots)
                 assert ("prefetch" in factory.stats()) == (depth > 0)
                 factory.store.close()
@@ -79,12 +76,12 @@ def test_other_families_are_exact_with_prefetch(other_family):
     _, _, layers, _ = plan(other_family)
     for mode in MODES:
         model, factory = store_model(other_family, len(layers), prefetch=mode)
-        held_on(factory.store)
+        reading_every_guess(factory.store)
         assert torch.equal(decode_logits(model), expected), mode
         factory.store.close()
 
 
-def _routers(path, layers):
+def routers_of(path, layers):
     gguf = GGUFFile.open(path)
     config, weights = config_from_gguf(gguf), GGUFWeights(gguf)
     return {i: router(config, weights, i) for i in layers}
@@ -104,8 +101,8 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
                            prefetch=data.draw(st.sampled_from(MODES)),
                            prefetch_depth=data.draw(st.integers(1, 4)))
     kernels = CpuKernels(1)
-    store = held_on(ExpertStore(gguf, kernels, layers, "silu", options,
-                                _routers(deep_mixtral, layers)))
+    store = reading_every_guess(ExpertStore(gguf, kernels, layers, "silu", options,
+                                            routers_of(deep_mixtral, layers)))
     # without prefetch, with the host policy's capacity: the slots reserved for guesses less
     without = ExpertStore(gguf, kernels, layers, "silu",
                           replace(options, prefetch="off",
@@ -163,7 +160,7 @@ def _gated_store(path, prefetch: str, depth: int):
     store = ExpertStore(gguf, kernels, layers, "silu",
                         StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
                                      prefetch=prefetch, prefetch_depth=depth),
-                        _routers(path, layers))
+                        routers_of(path, layers))
     gate, read = threading.Event(), store.worker.disk.read_expert
     store.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
     wait = store.worker.wait  # were the store to need the held read, it gets it
@@ -173,7 +170,7 @@ def _gated_store(path, prefetch: str, depth: int):
 
 def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
     store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "gate", 2)
-    held_on(store)
+    reading_every_guess(store)  # every guess is wrong here: read all the same
     x, weights = torch.randn(1, 64), torch.rand(1, 2)
     cancelled, cancel = [], store.worker.cancel
     store.worker.cancel = lambda job: cancel(job) and not cancelled.append(job) or job in cancelled
@@ -198,126 +195,6 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
     assert not store.worker._thread.is_alive()
 
 
-# -- where a guess may sit: free host slots or older unused guesses, outside the host policy ----
-
-def _four_slot_store(path, guesses_at: dict, host_slots: int = 4):
-    """``host_slots`` host slots (four: too few to reserve any for guesses), LRU; prefetch held
-    on with the guesses ``guesses_at[layer]``."""
-    gguf = GGUFFile.open(path)
-    fixed, slot, layers, _ = plan(path)
-    store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                                StoreOptions(host_bytes=fixed + host_slots * slot, prefetch="gate",
-                                             prefetch_depth=2), _routers(path, layers)))
-    asked, submit = [], store.guesses.submit
-    store.prefetch.guesses = lambda layer, x, ids: asked.append(layer) or guesses_at.get(layer, [])
-
-    def submit_and_land():  # each batch of reads lands before the step goes on: deterministic
-        jobs = list(store.guesses.reads.values())
-        submit()
-        for job in jobs:
-            while job.state != "done":
-                time.sleep(0.001)
-
-    store.guesses.submit = submit_and_land
-    return store, QuantResidentExperts(gguf, store.kernels, layers, "silu"), asked
-
-
-def _step(store, resident, layer, experts):
-    x, weights = torch.randn(1, 64), torch.rand(1, 2)
-    ids = torch.tensor([experts])
-    assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
-
-
-def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
-    store, resident, asked = _four_slot_store(deep_mixtral, {2: [(3, 6), (3, 7), (4, 5)]})
-    _step(store, resident, 0, [0, 1])  # the guesses for layer 0: none
-    _step(store, resident, 1, [0, 1])  # four requested experts fill the four slots
-    requested = {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert store.policies["host"].resident() == requested
-    asked.clear()
-    _step(store, resident, 2, [0, 1])  # evicts two requested (LRU), as without prefetch
-    assert asked == [] and not store.guesses.slots  # no room: nothing predicted, nothing read
-    assert store.policies["host"].resident() == {(1, 0), (1, 1), (2, 0), (2, 1)}
-    assert store.prefetch.counts.reads == 0
-    store.close()
-
-
-def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
-    store, resident, _ = _four_slot_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
-    _step(store, resident, 0, [0, 1])  # three guesses take three free slots; (0, 0) the fourth
-    # (0, 1) needs a slot: the oldest guess gives its own, nothing requested is touched
-    assert list(store.guesses.slots) == [(2, 6), (3, 7)]
-    assert store.policies["host"].resident() == set(store.slots["host"]) == {(0, 0), (0, 1)}
-    _step(store, resident, 1, [0, 1])  # the two other guesses go, oldest first
-    assert not store.guesses.slots
-    assert store.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    counts = store.prefetch.counts
-    assert (counts.reads, counts.used, counts.cancelled) == (3, 0, 0)
-    assert counts.bytes_wasted == sum(store.layouts[layer].expert_bytes for layer in (2, 2, 3))
-    assert store.prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
-    store.close()
-
-
-def test_a_used_guess_is_promoted_like_a_request(deep_mixtral):
-    store, resident, _ = _four_slot_store(deep_mixtral, {0: [(1, 5)]})
-    _step(store, resident, 0, [0, 1])  # the guess takes a free slot; the requests two more
-    assert list(store.guesses.slots) == [(1, 5)] and (1, 5) not in store.policies["host"]
-    before = store.disk.stats.bytes
-    _step(store, resident, 1, [5, 6])  # (1, 5) is used: into the policy, its bytes not read again
-    assert not store.guesses.slots and (1, 5) in store.policies["host"]
-    stats = store.layer_stats[1]
-    assert (stats.host_hits, stats.disk_misses) == (1, 1)
-    assert store.disk.stats.bytes - before == store.layouts[1].expert_bytes  # (1, 6) only
-    assert store.prefetch.counts.used == 1 and store.prefetch.counts.hidden_seconds > 0
-    _step(store, resident, 2, [0, 1])  # LRU: the older requests go, the used guess stays
-    assert store.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
-    store.close()
-
-
-def test_reserved_slots_are_top_k_per_layer_ahead_at_most_an_eighth():
-    assert [reserved_slots(64, 2, d) for d in (1, 2, 4)] == [2, 4, 8]
-    assert [reserved_slots(24, 2, d) for d in (1, 2, 4)] == [2, 3, 3]
-    assert reserved_slots(7, 2, 4) == 0
-
-
-def test_reserved_slots_take_guesses_when_requests_fill_the_policy(deep_mixtral):
-    # 16 host slots, depth 2: two reserved for guesses, the LRU policy holds 14
-    store, resident, _ = _four_slot_store(deep_mixtral, guesses := {}, host_slots=16)
-    assert store.guess_slots == 2
-    warm = [(layer, [0, 1]) for layer in range(5)] + [(0, [2, 3]), (1, [2, 3])]
-    for layer, experts in warm:
-        _step(store, resident, layer, experts)
-    requested = {(layer, e) for layer, experts in warm for e in experts}
-    assert store.policies["host"].resident() == set(store.slots["host"]) == requested
-    assert store.pools["host"].n_free == 2 and store.prefetch.counts.reads == 0
-    guesses[2] = [(3, 6), (3, 7), (4, 5)]
-    _step(store, resident, 2, [2, 3])  # the two best guesses take the reserve, the third waits;
-    # the LRU victims (0, 0), (0, 1) kept there give their slots to the admissions, not the reads
-    assert list(store.guesses.slots) == [(3, 6), (3, 7)] and store.prefetch.counts.reads == 2
-    requested = requested - {(0, 0), (0, 1)} | {(2, 2), (2, 3)}  # LRU of 14, as without
-    assert store.policies["host"].resident() == set(store.slots["host"]) == requested
-    before = store.disk.stats.bytes
-    _step(store, resident, 3, [6, 0])  # (3, 6) used: promoted, LRU's victim (1, 0) leaves
-    assert store.disk.stats.bytes == before  # a guess and a host hit: nothing read
-    assert store.policies["host"].resident() == requested - {(1, 0)} | {(3, 6)}
-    # the victim keeps its slot in the reserve; (3, 7), its layer passed, is kept, counted
-    # wasted; the reserve is whole
-    assert list(store.guesses.slots) == [(3, 7), (1, 0)] and not store.pools["host"].n_free
-    assert store.prefetch.counts.used == 1
-    assert store.prefetch.counts.bytes_wasted == store.layouts[3].expert_bytes
-    hits = store.layer_stats[1].host_hits
-    _step(store, resident, 1, [0, 4])  # (1, 0) again: a host hit, back in the policy, LRU's
-    # victim (1, 1) kept; (1, 4) a miss, its victim (2, 0) kept, and its admission takes the
-    # oldest kept slot, (3, 7)'s
-    assert store.disk.stats.bytes - before == store.layouts[1].expert_bytes
-    assert store.layer_stats[1].host_hits == hits + 1
-    assert store.policies["host"].resident() == \
-        requested - {(1, 1), (2, 0)} | {(3, 6), (1, 4)} == set(store.slots["host"])
-    assert list(store.guesses.slots) == [(1, 1), (2, 0)] and not store.pools["host"].n_free
-    assert store.held_bytes()["host"] <= store.budgets["host"]
-    store.close()
-
-
 def _eye_router(n: int, top_k: int) -> Router:
     return Router(torch.eye(n), top_k, normalize=True)
 
@@ -327,7 +204,7 @@ def test_recall_and_precision_on_a_hand_built_routing_sequence():
     p = Prefetcher("gate", 2, [0, 1, 2], routers, n_experts=4, top_k=2)
     x0 = torch.tensor([[4.0, 3.0, 0.0, 0.0]])
     p.observe(0, torch.tensor([[0, 1]]))
-    assert p.guesses(0, x0, torch.tensor([[0, 1]])) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert p.guesses(0, x0, torch.tensor([[0, 1]])) == []  # nothing read before a first check
     p.observe(1, torch.tensor([[0, 2]]))  # depth 1 guessed {0, 1}: 1 hit of 2
     x1 = torch.tensor([[0.0, 0.0, 5.0, 4.0]])
     p.guesses(1, x1, torch.tensor([[0, 2]]))  # layer 2 at depth 1: {2, 3}
@@ -337,8 +214,10 @@ def test_recall_and_precision_on_a_hand_built_routing_sequence():
                                  "precision": 0.5, "reads_enabled": True}
     assert (layers[2][1]["recall"], layers[2][1]["precision"]) == (1.0, 1.0)
     assert (layers[2][2]["recall"], layers[2][2]["precision"]) == (0.0, 0.0)
-    assert not layers[2][2]["reads_enabled"]  # trust starts at MIN_PRECISION: one miss is enough
+    assert not layers[2][2]["reads_enabled"]  # a first check that misses: no reads
     assert layers[2][1]["reads_enabled"]
+    p.observe(0, torch.tensor([[0, 1]]))
+    assert p.guesses(0, x0, torch.tensor([[0, 1]])) == [(1, 0), (1, 1)]  # depth 1 only
     for _ in range(10):  # a depth that keeps missing reads nothing, and is still measured
         p.guesses(0, x0, torch.tensor([[0, 1]]))
         p.observe(1, torch.tensor([[0, 1]]))
@@ -351,17 +230,17 @@ def test_recall_and_precision_on_a_hand_built_routing_sequence():
 
 def test_gate_guess_is_the_next_routers_top_k_on_this_hidden_state(deep_mixtral):
     _, _, layers, n_experts = plan(deep_mixtral)
-    routers = _routers(deep_mixtral, layers)
+    routers = routers_of(deep_mixtral, layers)
     p = Prefetcher("gate", 1, layers, routers, n_experts, top_k=2)
     generator = torch.Generator().manual_seed(0)
     for step in range(20):
         layer = layers[step % (len(layers) - 1)]
         x = torch.randn(2, 64, generator=generator)  # two tokens: the union of their top 2
         ids, _ = routers[layer](x)
-        guessed = {e for target, e in p.guesses(layer, x, ids)}
+        (_, target, guessed), = p.predict(layer, x, ids)
         expected, _ = routers[layers[layers.index(layer) + 1]](x)
-        assert guessed == set(expected.flatten().tolist())
-        p.observe(layers[layers.index(layer) + 1], expected)  # all hits: reads stay on
+        assert target == layers[layers.index(layer) + 1]
+        assert set(guessed) == set(expected.flatten().tolist())
 
 
 def test_history_predictor_learns_transitions():
@@ -369,7 +248,7 @@ def test_history_predictor_learns_transitions():
     for _ in range(3):  # every token: 0 -> 3 -> 1
         for layer, e in ((0, 0), (1, 3), (2, 1)):
             p.observe(layer, torch.tensor([[e]]))
-    assert p.guesses(0, torch.zeros(1, 4), torch.tensor([[0]])) == [(1, 3), (2, 1)]
+    assert p.predict(0, torch.zeros(1, 4), torch.tensor([[0]])) == [(1, 1, [3]), (2, 2, [1])]
 
 
 def test_run_command_prints_prefetch(tmp_path, capsys):
@@ -396,8 +275,8 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     kernels = CpuKernels(1)
     store = ExpertStore(gguf, kernels, layers, "silu",
                         StoreOptions(host_bytes=fixed + 3 * slot, prefetch="both",
-                                     prefetch_depth=4), _routers(deep_mixtral, layers))
-    held_on(store)
+                                     prefetch_depth=4), routers_of(deep_mixtral, layers))
+    reading_every_guess(store)  # random routing: no guess would earn its reads
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     generator = torch.Generator().manual_seed(1)
     threads = []
@@ -474,6 +353,7 @@ def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
 
 def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral):
     store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "both", 4)
+    reading_every_guess(store)
     calls, guesses = [], store.prefetch.guesses
     store.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
     plan_on = iter([True, False, False])
@@ -556,9 +436,9 @@ def _device_store(path, device_slots, prefetch):
                         StoreOptions(host_bytes=fixed + 2 * len(layers) * slot,
                                      device_bytes=device_slots * slot, miss="transfer",
                                      device_backend="cpu", prefetch=prefetch, prefetch_depth=2),
-                        _routers(path, layers))
+                        routers_of(path, layers))
     store.pools["device"].copies = _DeferredCopies()
-    return held_on(store)
+    return reading_every_guess(store)
 
 
 def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtral):

@@ -38,13 +38,14 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "(counted in the stats; default: off)")
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
-    # On by default: guesses take only free host slots, so adaptive prefetch was measured within
-    # off's noise band in every row (docs/OFFLOAD.md, "Prefetch measurements").
+    # On by default: adaptive prefetch was measured not slower than off in every row, and
+    # faster over a slow link (docs/OFFLOAD.md, "Prefetch measurements").
     g.add_argument("--prefetch", choices=PREDICTORS, default="gate",
-                   help="read the next layers' likely experts from disk into free host slots "
-                        "while a layer computes, guessed by the next router on this layer's input "
-                        "(gate), by routing history (history) or both; turned off by itself where "
-                        "forwards are not measured faster with it (default gate; off: never)")
+                   help="read the next layers' likely experts from disk into a few host slots "
+                        "reserved for them (from --host-mem) while a layer computes, guessed by "
+                        "the next router on this layer's input (gate), by routing history "
+                        "(history) or both; turned off by itself where forwards are not measured "
+                        "faster with it (default gate; off: never)")
     g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
     g.add_argument("--replay-routing", metavar="TRACE",

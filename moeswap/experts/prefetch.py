@@ -14,7 +14,8 @@ layer, best first). Every guess is checked when its target layer runs (recall an
 layer and depth), whether or not it was read: this "shadow" measurement is what the adaptive
 rule uses. Reads are issued only
 
-- for (layer, depth) pairs whose recent precision is at least ``MIN_PRECISION``;
+- for (layer, depth) pairs whose recent precision is at least ``MIN_PRECISION`` (a pair's
+  first guesses are checked unread: a predictor with nothing to go on never reads);
 - for target layers where the recent share of reads that were used before being evicted is at
   least ``MIN_PRECISION`` (a budget too small to keep a guess until its layer runs turns
   prefetch off there; one round in ``PROBE_EVERY`` still reads, to notice when that changes);
@@ -107,19 +108,24 @@ class Accuracy:
     guessed: int = 0
     actual: int = 0
     hits: int = 0
-    precision_now: float = MIN_PRECISION  # running precision (PRECISION_MEMORY); a first
-    # check below MIN_PRECISION turns the pair's reads off (still checked: it may come back)
+    precision_now: float | None = None  # running precision (PRECISION_MEMORY), from the
+    # first check on: a pair reads nothing until one check has shown its guesses worth reading
+    # (still checked while below MIN_PRECISION: it may come back)
 
     def check(self, guess: set[int], actual: set[int]) -> None:
         hits = len(guess & actual)
         self.guessed, self.actual, self.hits = (self.guessed + len(guess),
                                                 self.actual + len(actual), self.hits + hits)
-        if guess:
+        if not guess:
+            return
+        if self.precision_now is None:
+            self.precision_now = hits / len(guess)
+        else:
             self.precision_now += PRECISION_MEMORY * (hits / len(guess) - self.precision_now)
 
     @property
     def enabled(self) -> bool:
-        return self.precision_now >= MIN_PRECISION
+        return self.precision_now is not None and self.precision_now >= MIN_PRECISION
 
     def as_dict(self) -> dict:
         return {"guessed": self.guessed, "actual": self.actual, "hits": self.hits,
@@ -199,10 +205,16 @@ class Prefetcher:
             self.history.observe(layer, ids)
 
     def guesses(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> list[tuple[int, int]]:
-        """Keys (target layer, expert) worth reading now, nearest layer first, best first;
-        every guess is remembered for checking, read or not."""
-        at = self.layers.index(layer)
-        keys = []
+        """Keys (target layer, expert) worth reading now, nearest layer first, best first."""
+        keys = [(target, e) for depth, target, chosen in self.predict(layer, x, ids)
+                if self._reads_wanted(target, depth) for e in chosen]
+        return keys[:self.queue_bound]
+
+    def predict(self, layer: int, x: torch.Tensor,
+                ids: torch.Tensor) -> list[tuple[int, int, list[int]]]:
+        """(depth, target layer, experts best first) for each layer ahead; every guess is
+        remembered for checking when its target runs, read or not."""
+        at, predicted = self.layers.index(layer), []
         for depth, target in enumerate(self.layers[at + 1:at + 1 + self.depth], start=1):
             scores = self._scores(layer, target, x, ids, depth)  # [N, X]
             top = torch.topk(scores, self.top_k, dim=-1)
@@ -211,9 +223,8 @@ class Prefetcher:
                 best[expert] = max(score, best.get(expert, 0.0))
             chosen = sorted((e for e in best if best[e] > 0), key=lambda e: -best[e])[:self.cap]
             self._pending.setdefault(target, {})[depth] = set(chosen)
-            if self._reads_wanted(target, depth):
-                keys += [(target, e) for e in chosen]
-        return keys[:self.queue_bound]
+            predicted.append((depth, target, chosen))
+        return predicted
 
     def _scores(self, layer: int, target: int, x: torch.Tensor, ids: torch.Tensor,
                 depth: int) -> torch.Tensor:
