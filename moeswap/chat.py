@@ -15,7 +15,7 @@ from typing import Any, Iterator, TextIO
 
 from moeswap.context_window import POLICIES, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
-from moeswap.generate import GenerationStats, decode_step, prefill
+from moeswap.generate import STEP_TOKENS, GenerationStats, check_step_tokens, decode_step, prefill
 from moeswap.runtime import peak_rss_bytes
 from moeswap.sampling import Sampler, SamplingParams
 
@@ -28,8 +28,10 @@ class ChatOptions:
     ctx_policy: str = "error"
     max_tokens: int = 512  # per reply
     system: str | None = None
+    step_tokens: int = STEP_TOKENS  # most prompt tokens per forward (chunked prefill)
 
     def __post_init__(self):
+        check_step_tokens(self.step_tokens)
         if self.ctx < 2:
             raise MoeswapError(f"--ctx must be >= 2, got {self.ctx}")
         if self.max_tokens < 1:
@@ -118,7 +120,7 @@ class ChatSession:
             self.cache, self.cached = model.new_cache(), []
         started = time.perf_counter()
         new = ids[len(self.cached):]
-        logits = prefill(model, [new], [self.cache])[0]
+        logits = prefill(model, [new], [self.cache], self.options.step_tokens)[0]
         self.cached = list(ids)
         self.stats.prompt_tokens += len(new)
         self.stats.prompt_seconds += time.perf_counter() - started

@@ -4,6 +4,11 @@
 sits at its own position; one forward call per step serves all sequences still running. The
 model is anything with ``new_cache()`` and ``forward(tokens, caches)`` (see
 moeswap.models.CausalLM). Stop tokens end a sequence and are not yielded.
+
+Prompts are prefilled in chunks of at most ``step_tokens`` tokens per sequence and forward
+(llama.cpp's micro-batch, ``n_ubatch``): attention scores, activations and logits are then
+held for one chunk, not the whole prompt, and a sliding-window layer's cache holds at most
+window - 1 + ``step_tokens`` positions (moeswap.experts.options.kv_cache_bytes).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 
 from moeswap.errors import MoeswapError
 from moeswap.sampling import GREEDY, Sampler
+
+STEP_TOKENS = 512  # default tokens per forward: llama.cpp's n_ubatch
 
 
 class Model(Protocol):
@@ -54,10 +61,26 @@ class _Sequence:
     finish_reason: str | None = None
 
 
-def prefill(model: Model, prompts: Sequence[Sequence[int]], caches: list) -> list[torch.Tensor]:
-    """Run the prompts through the model; each one's logits for its next token: [V]."""
-    logits = model.forward([torch.tensor(list(p), dtype=torch.long) for p in prompts], caches)
-    return [row[-1] for row in logits]
+def check_step_tokens(step_tokens: int) -> None:
+    if step_tokens < 1:
+        raise MoeswapError(f"--step-tokens must be >= 1, got {step_tokens}")
+
+
+def prefill(model: Model, prompts: Sequence[Sequence[int]], caches: list,
+            step_tokens: int = STEP_TOKENS) -> list[torch.Tensor]:
+    """Run the prompts through the model, at most ``step_tokens`` of each per forward; each
+    one's logits for its next token: [V]. Each forward carries the next chunk of every prompt
+    not yet fed, and only those sequences' caches."""
+    check_step_tokens(step_tokens)
+    last: list[torch.Tensor | None] = [None] * len(prompts)
+    for start in range(0, max((len(p) for p in prompts), default=0), step_tokens):
+        fed = [i for i, p in enumerate(prompts) if len(p) > start]
+        logits = model.forward(
+            [torch.tensor(list(prompts[i][start:start + step_tokens]), dtype=torch.long)
+             for i in fed], [caches[i] for i in fed])
+        for i, rows in zip(fed, logits):
+            last[i] = rows[-1]
+    return last
 
 
 def decode_step(model: Model, last_tokens: Sequence[int], caches: list) -> list[torch.Tensor]:
@@ -68,8 +91,10 @@ def decode_step(model: Model, last_tokens: Sequence[int], caches: list) -> list[
 
 def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                    samplers: Sequence[Sampler] | None = None, stop_ids: frozenset[int] = frozenset(),
-                   stats: GenerationStats | None = None) -> Iterator[list[tuple[int, int]]]:
-    """Yields, per step, the (sequence index, token id) of every sequence that produced one."""
+                   stats: GenerationStats | None = None,
+                   step_tokens: int = STEP_TOKENS) -> Iterator[list[tuple[int, int]]]:
+    """Yields, per step, the (sequence index, token id) of every sequence that produced one;
+    prompts are prefilled ``step_tokens`` at a time."""
     if any(len(p) == 0 for p in prompts):
         raise MoeswapError("cannot generate from an empty prompt: give at least one token "
                            "(the tokenizer's BOS when there is no text)")
@@ -82,7 +107,8 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_tokens
         return
 
     started = time.perf_counter()
-    logits = prefill(model, [s.ids for s in sequences], [s.cache for s in sequences])
+    logits = prefill(model, [s.ids for s in sequences], [s.cache for s in sequences],
+                     step_tokens)
     stats.prompt_tokens += sum(len(p) for p in prompts)
     stats.prompt_seconds += time.perf_counter() - started
     active = list(range(len(sequences)))
@@ -118,10 +144,12 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_tokens
 
 def generate(model: Model, prompt: Sequence[int], *, max_tokens: int, sampler: Sampler | None = None,
              stop_ids: frozenset[int] = frozenset(),
-             stats: GenerationStats | None = None) -> Iterator[int]:
-    """Prefill ``prompt`` then yield up to ``max_tokens`` new token ids, ending at a stop id."""
+             stats: GenerationStats | None = None,
+             step_tokens: int = STEP_TOKENS) -> Iterator[int]:
+    """Prefill ``prompt`` ``step_tokens`` at a time, then yield up to ``max_tokens`` new token
+    ids, ending at a stop id."""
     for step in generate_batch(model, [prompt], max_tokens=max_tokens,
                                samplers=[sampler or Sampler(GREEDY)], stop_ids=stop_ids,
-                               stats=stats):
+                               stats=stats, step_tokens=step_tokens):
         for _, token in step:
             yield token

@@ -12,7 +12,7 @@ import torch
 
 from moeswap.chat_template import ChatTemplate
 from moeswap.errors import MoeswapError
-from moeswap.generate import GenerationStats, generate
+from moeswap.generate import STEP_TOKENS, GenerationStats, generate
 from moeswap.sampling import Sampler, SamplingParams
 from moeswap.tokenizer import Tokenizer, load_tokenizer
 
@@ -59,10 +59,11 @@ class Runtime:
 
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 256, *,
                  stats: GenerationStats | None = None, stop_ids: frozenset[int] | None = None,
-                 **sampling: Any) -> Iterator[int]:
+                 step_tokens: int = STEP_TOKENS, **sampling: Any) -> Iterator[int]:
         """Yield new token ids. ``sampling``: SamplingParams fields (temperature, top_k,
         top_p, min_p, repeat_penalty, repeat_last_n, seed); temperature=0 is greedy.
-        Generation ends at the tokenizer's stop ids unless ``stop_ids`` replaces them."""
+        Generation ends at the tokenizer's stop ids unless ``stop_ids`` replaces them.
+        The prompt is prefilled at most ``step_tokens`` tokens per forward."""
         try:
             params = SamplingParams(**sampling)
         except TypeError as e:
@@ -70,7 +71,8 @@ class Runtime:
                                "top_p, min_p, repeat_penalty, repeat_last_n, seed") from None
         stops = self.tokenizer.stop_ids if stop_ids is None else frozenset(stop_ids)
         return generate(self.model, self.encode(prompt), max_tokens=max_tokens,
-                        sampler=Sampler(params), stop_ids=stops, stats=stats)
+                        sampler=Sampler(params), stop_ids=stops, stats=stats,
+                        step_tokens=step_tokens)
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
         """The token ids of ``messages`` rendered by the model's chat template."""

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.options import forward_working_bytes, kv_bytes_per_token
 from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
 from moeswap.experts.tiers import piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
@@ -170,9 +170,11 @@ def test_run_command_reports_the_store(tmp_path, capsys):
 
     path = mixtral().write(tmp_path / "mixtral.gguf")
     fixed, slot, layers, _ = plan(path)
-    kv = kv_bytes_per_token(config_from_gguf(GGUFFile.open(path))) * (len("abc") + 1 + 3)
+    config = config_from_gguf(GGUFFile.open(path))
+    kv = kv_bytes_per_token(config) * (len("abc") + 1 + 3)
+    working = forward_working_bytes(config, len("abc") + 1, len("abc") + 1 + 3)  # the prompt's
     args = ["run", str(path), "-p", "abc", "-n", "3", "--temp", "0", "--policy", "lfu",
-            "--threads", "1", "--host-mem", str(fixed + kv + len(layers) * slot)]
+            "--threads", "1", "--host-mem", str(fixed + kv + working + len(layers) * slot)]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert re.search(r"^experts: \d+ used, hit rate", err, re.M), err

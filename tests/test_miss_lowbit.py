@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 import tiny_models
 from moeswap.errors import MoeswapError
 from moeswap.experts.lowbit import LowBitCopies
-from moeswap.experts.options import kv_bytes_per_token
+from moeswap.experts.options import forward_working_bytes, kv_bytes_per_token
 from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
 from moeswap.experts.tiers import piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
@@ -191,9 +191,12 @@ def test_run_command_counts_the_approximation(mixtral_q8, capsys):
     from moeswap.cli import main
 
     gguf, fixed, _, _, _ = plan(mixtral_q8)
-    kv = kv_bytes_per_token(config_from_gguf(gguf)) * (len("abc") + 1 + 3)  # no host slots left
+    config = config_from_gguf(gguf)
+    kv = kv_bytes_per_token(config) * (len("abc") + 1 + 3)
+    working = forward_working_bytes(config, len("abc") + 1, len("abc") + 1 + 3)  # the prompt's
+    host = fixed + kv + working + copies_bytes(mixtral_q8)  # no host slots left
     args = ["run", str(mixtral_q8), "-p", "abc", "-n", "3", "--temp", "0", "--threads", "1",
-            "--miss-lowbit", "q4_0", "--host-mem", str(fixed + kv + copies_bytes(mixtral_q8))]
+            "--miss-lowbit", "q4_0", "--host-mem", str(host)]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert re.search(r"^miss-lowbit q4_0 \(approximation\): [1-9]\d* misses computed from low-bit "

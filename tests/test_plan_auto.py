@@ -18,7 +18,8 @@ MODEL = str(moeswap.DEFAULT_MODEL)
 RATES = PlanRates(Rates(disk_read=1e9, link=1e10, host_compute=1e10, device_compute=1e11), "test")
 PROMPT = "def add(a, b):"
 N_PREDICT = 8
-CONTEXT = len(PROMPT.encode()) + 1 + N_PREDICT  # what `run` charges the KV cache for
+STEP = len(PROMPT.encode()) + 1  # the prompt's most tokens: `run` feeds it in one forward
+CONTEXT = STEP + N_PREDICT  # what `run` charges the KV cache for
 GiB = 1 << 30
 
 
@@ -32,8 +33,10 @@ def sizes():
 
 
 def charged(sizes) -> int:
-    """Shared weights + the store's KV charge + the staging ring: the host budget's floor."""
-    return sizes.shared_bytes + sizes.store_kv_bytes(CONTEXT) + sizes.top_k * sizes.slot_bytes
+    """Shared weights + the store's KV charge + a forward's working memory + the staging ring:
+    the host budget's floor."""
+    return (sizes.shared_bytes + sizes.store_kv_bytes(CONTEXT, 1, STEP)
+            + sizes.store_working_bytes(CONTEXT, 1, STEP) + sizes.top_k * sizes.slot_bytes)
 
 
 def machine_with(free_host: int, gpu_free: int = 0) -> Machine:
@@ -50,17 +53,19 @@ def run(capsys, monkeypatch, machine: Machine | None, *flags: str) -> tuple[int,
 
 
 def test_plan_budgets_for_a_machine(sizes):
-    five = auto_plan(MODEL, CONTEXT, machine_with(charged(sizes) + 5 * sizes.slot_bytes), RATES)
+    five = auto_plan(MODEL, CONTEXT, machine_with(charged(sizes) + 5 * sizes.slot_bytes), RATES,
+                     step_tokens=STEP)
     assert (five.plan.host_slots, five.plan.device_slots) == (5, 0)
     assert five.host_bytes == charged(sizes) + 5 * sizes.slot_bytes
     assert five.device_bytes == 0
     # Free GPU memory beyond the reserve becomes device slots (Q8_0 experts: computable there).
     gpu = auto_plan(MODEL, CONTEXT, machine_with(charged(sizes) + 2 * sizes.slot_bytes,
-                                                 GPU_RESERVE + 3 * sizes.slot_bytes), RATES)
+                                                 GPU_RESERVE + 3 * sizes.slot_bytes), RATES,
+                    step_tokens=STEP)
     assert (gpu.plan.device_slots, gpu.device_bytes) == (3, 3 * sizes.slot_bytes)
     assert gpu.host_bytes == charged(sizes) + 2 * sizes.slot_bytes
     # Room for every expert, no GPU: the all-resident mapped file.
-    roomy = auto_plan(MODEL, CONTEXT, machine_with(8 * GiB), RATES)
+    roomy = auto_plan(MODEL, CONTEXT, machine_with(8 * GiB), RATES, step_tokens=STEP)
     assert roomy.host_bytes is None and roomy.device_bytes == 0
     assert roomy.plan.host_slots == roomy.plan.all_experts
 

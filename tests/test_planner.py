@@ -125,7 +125,8 @@ def test_fused_and_scaled_experts_counted(tmp_path):
 # --- moeswap's placement and refusals --------------------------------------------------------
 
 def _need(s, context):
-    return s.shared_bytes + s.store_kv_bytes(context) + 2 * s.slot_bytes
+    return (s.shared_bytes + s.store_kv_bytes(context) + s.store_working_bytes(context, 1, 512)
+            + 2 * s.slot_bytes)
 
 
 def test_placement_slots_and_uniform_hit_rate(mixtral_file):
@@ -135,7 +136,9 @@ def test_placement_slots_and_uniform_hit_rate(mixtral_file):
     assert plan.resident_by_layer == {0: 2, 1: 2}
     assert plan.hits.device == pytest.approx(1 / 8) and plan.hits.total == pytest.approx(4 / 8)
     assert plan.disk_expert_bytes == 4 * s.one_expert_bytes
-    assert plan.host_charged == 118016 + 512 * 64 + 2 * 24576
+    # a forward of 64 tokens: 4 bytes x (2 x 32 vocabulary + 2 x 4 heads x 64 + 16 x 64 width)
+    assert plan.working_bytes == 64 * 4 * (2 * 32 + 2 * 4 * 64 + 16 * 64)
+    assert plan.host_charged == 118016 + 512 * 64 + plan.working_bytes + 2 * 24576
 
 
 def test_fewer_slots_than_a_tokens_requests_thrash(mixtral_file):
@@ -168,7 +171,8 @@ def test_refusal_says_by_how_much_and_what_to_change(mixtral_file):
 def test_cli_refusal_exit_code_and_json(mixtral_file, capsys):
     assert main(["plan", str(mixtral_file), "--host-mem", "100KiB", "--ctx", "100"]) == 2
     assert "does not fit" in capsys.readouterr().err
-    assert main(["plan", str(mixtral_file), "--host-mem", "1MiB", "--ctx", "100", "--json",
+    # 2 MiB: a 100-token step's working memory (738 KiB) and every expert fit
+    assert main(["plan", str(mixtral_file), "--host-mem", "2MiB", "--ctx", "100", "--json",
                  "--disk-bw", "1", "--ram-bw", "10", "--gpu-bw", "100", "--link-bw", "10"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["bytes"]["shared"] == 118016 and doc["kv_cache"]["context_bytes_f16"] == 25600
@@ -494,8 +498,9 @@ def test_replayed_lru_matches_the_stores_decode_hits(tmp_path, capsys):
                  "--trace", str(trace)]) == 0
     s = sizes_of(SHIPPED)
     slots = s.n_expert * len(s.moe_layers) // 4
-    host = s.shared_bytes + s.store_kv_bytes(len(prompt.encode()) + 10) + (s.top_k + slots) * \
-        s.slot_bytes
+    step, context = len(prompt.encode()) + 1, len(prompt.encode()) + 10  # as `run` charges
+    host = (s.shared_bytes + s.store_kv_bytes(context, 1, step)
+            + s.store_working_bytes(context, 1, step) + (s.top_k + slots) * s.slot_bytes)
 
     def store_counts(n_predict):
         capsys.readouterr()
@@ -525,8 +530,9 @@ def test_replayed_prompts_of_moeswap_trace_match_the_stores_runs(tmp_path, capsy
     slots = s.n_expert * len(s.moe_layers) // 2
     hits = requests = 0
     for prompt in prompts:
-        host = s.shared_bytes + s.store_kv_bytes(len(prompt.encode()) + 10) + \
-            (s.top_k + slots) * s.slot_bytes
+        step, context = len(prompt.encode()) + 1, len(prompt.encode()) + 10  # as `run` charges
+        host = (s.shared_bytes + s.store_kv_bytes(context, 1, step)
+                + s.store_working_bytes(context, 1, step) + (s.top_k + slots) * s.slot_bytes)
         counts = []
         for n_predict in (1, 9):
             capsys.readouterr()

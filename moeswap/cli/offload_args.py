@@ -54,6 +54,39 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "position t takes trace token t, wrapping (docs/OFFLOAD.md)")
 
 
+def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--step-tokens``, as `moeswap run`, `chat` and `serve` (``scope``: its words on what a
+    step carries) and `moeswap plan` share it."""
+    from moeswap.generate import STEP_TOKENS
+
+    p.add_argument("--step-tokens", type=int, default=STEP_TOKENS, metavar="N",
+                   help=f"most tokens one forward feeds{scope}; longer prompts are prefilled in "
+                        "chunks of this many. Bounds a step's working memory and what "
+                        "sliding-window layers hold, both charged to --host-mem "
+                        f"({STEP_TOKENS}: llama.cpp's n_ubatch)")
+
+
+def sequence_charge(args, model_path, context_tokens: int, step_tokens: int) -> dict[str, int]:
+    """store_factory's charge for one sequence of ``context_tokens`` positions fed at most
+    ``step_tokens`` per forward: its KV cache and a forward's working memory (read from the
+    GGUF header; without a store nothing is charged, and a folder the loader refuses)."""
+    from pathlib import Path
+
+    charge = dict(context_tokens=context_tokens, step_tokens=step_tokens)
+    if args.host_mem is None or not Path(model_path).is_file():
+        return charge
+    from moeswap.experts.options import forward_working_bytes
+    from moeswap.formats.config import config_from_gguf
+    from moeswap.formats.gguf_file import GGUFFile
+
+    gguf = GGUFFile.open(model_path)
+    try:
+        config = config_from_gguf(gguf)
+    finally:
+        gguf.close()
+    return charge | dict(working_bytes=forward_working_bytes(config, step_tokens, context_tokens))
+
+
 def store_factory(args, context_tokens: int, sequences: int = 1, step_tokens: int = 0,
                   working_bytes: int = 0):
     """The expert runner the flags ask for, or None for all-resident. The host budget is

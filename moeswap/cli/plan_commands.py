@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from moeswap.cli.offload_args import add_step_tokens_argument
+
 RATE_FLAGS = {"disk_bw": "disk_read", "link_bw": "link", "ram_bw": "host_compute",
               "gpu_bw": "device_compute"}
 
@@ -18,6 +20,7 @@ def register(subparsers) -> None:
     p.add_argument("--host-mem", metavar="SIZE", required=True, help="RAM to plan for, e.g. 32GiB")
     p.add_argument("--ctx", type=int, required=True, help="context length in tokens")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
+    add_step_tokens_argument(p, " (as run, chat and serve take it)")
     p.add_argument("--profile", metavar="FILE",
                    help="a routing profile (`moeswap profile TRACE`: expected hit rate and the "
                         "llama.cpp layers to keep on the GPU) or a routing trace (.npz: the "
@@ -37,13 +40,16 @@ def register(subparsers) -> None:
 def run_plan(args) -> int:
     from moeswap.errors import MoeswapError
     from moeswap.experts.options import parse_size
+    from moeswap.generate import check_step_tokens
     from moeswap.planner import plan_model, report
     from moeswap.planner.placement import Budget
     from moeswap.planner.rates import plan_rates
 
     if args.gpus > 1 and not args.gpu_mem:
         raise MoeswapError("--gpus needs --gpu-mem, the memory of each GPU (e.g. 80GiB)")
-    budget = Budget(parse_size(args.device_mem), parse_size(args.host_mem), args.ctx, args.batch)
+    check_step_tokens(args.step_tokens)
+    budget = Budget(parse_size(args.device_mem), parse_size(args.host_mem), args.ctx, args.batch,
+                    args.step_tokens)
     given = {field: getattr(args, flag) * 1e9 if getattr(args, flag) else None
              for flag, field in RATE_FLAGS.items()}
     full = plan_model(args.model, budget, plan_rates(given), args.profile, args.gpus,
@@ -78,7 +84,10 @@ def print_plan(doc: dict) -> None:
         ("read per token (shared + top-k experts)", gib(b["active_per_token"])),
         ("KV cache per token (16-bit)", gib(kv["bytes_per_token_f16"])),
         ("KV cache for the context (16-bit)", gib(kv["context_bytes_f16"])),
-        ("moeswap: RAM for shared + KV (f32) + staging", gib(m["host_charged_bytes"])),
+        ("moeswap: RAM for shared + KV (f32) + step + staging",
+         gib(m["host_charged_bytes"])),
+        (f"moeswap: a step's working memory (--step-tokens {budget['step_tokens']})",
+         gib(m["working_bytes"])),
         ("moeswap: expert slots device / host", f"{m['device_slots']} / {m['host_slots']} "
                                                 f"of {gib(m['slot_bytes'])}"),
         ("moeswap: experts resident", f"{m['experts_resident']} of {m['experts_total']}"),

@@ -7,7 +7,8 @@ import sys
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from moeswap.cli.offload_args import add_offload_arguments, stats_lines, store_factory
+from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
+                                      sequence_charge, stats_lines, store_factory)
 from moeswap.errors import MoeswapError
 
 
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
                    help="record every routing decision and write the trace here (moeswap stats)")
     p.add_argument("--verbose", action="store_true",
                    help="log each tensor as it is mapped: name, shape, type, where it lives")
+    add_step_tokens_argument(p)
     add_offload_arguments(p)
     p.add_argument("--plan", choices=["auto"],
                    help="budgets from the planner for this machine's free RAM and GPU, printed "
@@ -39,11 +41,12 @@ def run_generate(args) -> int:
     import moeswap
     from dataclasses import asdict
 
-    from moeswap.generate import GenerationStats
+    from moeswap.generate import GenerationStats, check_step_tokens
     from moeswap.runtime import peak_rss_bytes
     from moeswap.sampling import SamplingParams
 
     # Checked before loading, which can take minutes.
+    check_step_tokens(args.step_tokens)
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -65,10 +68,11 @@ def run_generate(args) -> int:
 
         prompt = len(args.prompt.encode()) + 1  # at most a token per byte, and BOS
         context = prompt + args.n_predict
+        # the most tokens one forward feeds: a prompt chunk (decode steps feed one)
+        step = min(args.step_tokens, prompt)
         if args.plan == "auto":
-            apply_auto_plan(args, model_path, context, progress.console, prompt)
-        # the prompt goes in one forward: a sliding layer holds window - 1 + its tokens
-        experts = store_factory(args, context, step_tokens=prompt)
+            apply_auto_plan(args, model_path, context, progress.console, step)
+        experts = store_factory(args, **sequence_charge(args, model_path, context, step))
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
                                expert_runner=experts, recorder=recorder,
                                replay_routing=args.replay_routing)
@@ -81,7 +85,8 @@ def run_generate(args) -> int:
 
     stats = GenerationStats()
     prompt_ids = runtime.encode(args.prompt)
-    tokens = runtime.generate(prompt_ids, args.n_predict, stats=stats, **asdict(sampling))
+    tokens = runtime.generate(prompt_ids, args.n_predict, stats=stats,
+                              step_tokens=args.step_tokens, **asdict(sampling))
     text = runtime.tokenizer.stream(prompt_ids)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
@@ -104,7 +109,7 @@ def run_generate(args) -> int:
 
 def apply_auto_plan(args, model_path, context: int, console, step_tokens: int) -> None:
     """Set the run's budgets to the plan's for this machine (the flags given stay);
-    ``step_tokens``: the prompt's, fed in one forward."""
+    ``step_tokens``: the most tokens one forward feeds (a prompt chunk)."""
     from moeswap.experts.options import parse_size
     from moeswap.planner.auto import auto_plan, machine_memory
     from moeswap.planner.rates import plan_rates

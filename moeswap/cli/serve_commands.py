@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from moeswap.cli.offload_args import add_offload_arguments, store_factory
+from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
+                                      sequence_charge, store_factory)
 
 
-def _add_model_arguments(p, ctx_help: str) -> None:
+def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
     from moeswap.context_window import POLICIES
 
     p.add_argument("model", help="a .gguf file or a Hugging Face folder")
@@ -14,12 +15,14 @@ def _add_model_arguments(p, ctx_help: str) -> None:
                    help="when a prompt outgrows --ctx: refuse it (error), or keep the system "
                         "prompt and the most recent tokens (keep-recent) (error)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    add_step_tokens_argument(p, step_scope)
     add_offload_arguments(p)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _add_model_arguments(p, "positions per request: prompt and reply (4096)")
+    _add_model_arguments(p, "positions per request: prompt and reply (4096)",
+                         ", all requests together")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
@@ -28,9 +31,6 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (8)")
     p.add_argument("--queue", type=int, default=64,
                    help="requests that may wait for a batch slot; more get 429 (64)")
-    p.add_argument("--step-tokens", type=int, default=512,
-                   help="tokens per forward step, all requests together; longer prompts are "
-                        "prefilled in chunks. Bounds a step's working memory (512)")
     p.set_defaults(handler=run_serve)
 
     c = subparsers.add_parser("chat", help="chat with a model in the terminal, streamed")
@@ -95,7 +95,9 @@ def run_chat(args) -> int:
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
                               min_p=args.min_p, seed=args.seed)
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
-                          system=args.system)
-    session = ChatSession(_load(args, dict(context_tokens=args.ctx)), options, sampling)
+                          system=args.system, step_tokens=args.step_tokens)
+    # a turn's new tokens may fill the context; they are fed a chunk at a time
+    charge = sequence_charge(args, args.model, args.ctx, min(args.step_tokens, args.ctx))
+    session = ChatSession(_load(args, charge), options, sampling)
     session.run(sys.stdin, sys.stdout)
     return 0

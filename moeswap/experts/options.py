@@ -43,3 +43,13 @@ def kv_cache_bytes(config: ModelConfig, context: int, sequences: int = 1,
     step = step_tokens or context
     held_swa = min(context, config.sliding_window - 1 + step) if swa else 0
     return 4 * sequences * (full * context + swa * held_swa)
+
+
+def forward_working_bytes(config: ModelConfig, tokens: int, context: int) -> int:
+    """Bytes a forward of ``tokens`` fed tokens holds besides weights and caches, each token
+    attending over up to ``context`` positions (float32, per fed token): its logits and their
+    sampled copy 2V (the engine computes logits for every position), one layer's attention
+    scores and softmax 2HC, and activations about 16D (residual, norms, q/k/v/o, router,
+    expert inputs and outputs). V vocabulary, H query heads, C context, D model width."""
+    per_token = 4 * (2 * config.n_vocab + 2 * config.n_head * context + 16 * config.n_embd)
+    return tokens * per_token

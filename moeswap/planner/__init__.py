@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.generate import STEP_TOKENS
 from moeswap.planner.distributed import MultiGpuPlan, plan_multi_gpu
 from moeswap.planner.llama_cpp import LlamaCppPlan, ollama_modelfile, plan_llama_cpp
 from moeswap.planner.placement import Budget, Plan, make_plan
@@ -58,6 +59,8 @@ def moeswap_command(full: FullPlan) -> list[str]:
     """``moeswap run`` with the plan's budgets (and a profile's hot set pinned)."""
     p = full.moeswap
     args = ["moeswap", "run", p.sizes.path, "-p", "PROMPT", "--host-mem", str(p.budget.host_bytes)]
+    if p.budget.step_tokens != STEP_TOKENS:
+        args += ["--step-tokens", str(p.budget.step_tokens)]
     if p.device_slots:
         args += ["--device-mem", str(p.budget.device_bytes)]
     if full.profile_path and not is_trace(full.profile_path):
@@ -72,7 +75,8 @@ def report(full: FullPlan) -> dict:
         "model": s.path,
         "architecture": s.config.arch,
         "budget": {"device_bytes": p.budget.device_bytes, "host_bytes": p.budget.host_bytes,
-                   "context": p.budget.context, "batch": p.budget.batch},
+                   "context": p.budget.context, "batch": p.budget.batch,
+                   "step_tokens": p.budget.step_tokens},
         "bytes": {"total": s.total_bytes, "shared": s.shared_bytes, "routed": s.routed_bytes,
                   "one_expert": s.one_expert_bytes, "active_per_token": s.active_bytes_per_token},
         "kv_cache": {"bytes_per_token_f16": s.kv_bytes(1, F16_BYTES),
@@ -81,7 +85,8 @@ def report(full: FullPlan) -> dict:
                      "mla_latent": s.config.kv_lora_rank,
                      "moeswap_charge_bytes": p.kv_bytes},
         "moeswap": {
-            "host_charged_bytes": p.host_charged, "staging_bytes": p.staging_bytes,
+            "host_charged_bytes": p.host_charged, "working_bytes": p.working_bytes,
+            "staging_bytes": p.staging_bytes,
             "slot_bytes": s.slot_bytes, "device_slots": p.device_slots, "host_slots": p.host_slots,
             "experts_resident": p.resident_experts, "experts_total": p.all_experts,
             "resident_per_layer": {str(k): v for k, v in p.resident_by_layer.items()},

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.generate import STEP_TOKENS
 from moeswap.planner.llama_cpp import GPU_RESERVE
 from moeswap.planner.placement import Budget, Plan, gib, make_plan
 from moeswap.planner.rates import PlanRates
@@ -88,9 +89,9 @@ def device_computable(path: str | Path) -> bool:
 
 def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rates: PlanRates,
               host_bytes: int | None = None, device_bytes: int | None = None,
-              profile_path: str | None = None, step_tokens: int = 0) -> AutoPlan:
+              profile_path: str | None = None, step_tokens: int = STEP_TOKENS) -> AutoPlan:
     """The plan for ``machine`` (budgets given here win over its memory) and the run's budgets;
-    ``step_tokens``: the most tokens one forward feeds (the run's prompt; 0: a whole context).
+    ``step_tokens``: the most tokens one forward feeds (a prompt chunk; 0: a whole context).
     A plan that cannot fit raises the planner's refusal."""
     if Path(model_path).is_dir():
         raise MoeswapError(f"{model_path}: --plan auto reads a GGUF header; convert the folder "

@@ -1,10 +1,10 @@
 """moeswap's own plan: what each tier holds under the user's budgets, and the speed that gives.
 
 The accounting is the expert store's (docs/OFFLOAD.md): the host budget carries the shared
-weights, the KV cache the store charges (its float32 upper bound) and a staging ring of top-k
-slots; what is left, and the whole device budget, are expert slots of ``slot_bytes``; every
-other expert stays in the file. Decode is bandwidth-bound (DESIGN.md §4), so a step costs the
-bytes it reads from each tier over that tier's rate.
+weights, the KV cache the store charges (its float32 upper bound), a forward's working memory
+and a staging ring of top-k slots; what is left, and the whole device budget, are expert
+slots of ``slot_bytes``; every other expert stays in the file. Decode is bandwidth-bound
+(DESIGN.md §4), so a step costs the bytes it reads from each tier over that tier's rate.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import TOKENS_PER_READ
+from moeswap.generate import STEP_TOKENS
 from moeswap.planner.rates import PlanRates
 from moeswap.planner.replayed import check_trace, lru_hit_rate
 from moeswap.planner.sizes import ModelSizes
@@ -36,7 +37,7 @@ class Budget:
     host_bytes: int
     context: int  # positions per sequence
     batch: int = 1  # sequences decoded together
-    step_tokens: int = 0  # most tokens one forward feeds a sequence (0: a whole context)
+    step_tokens: int = STEP_TOKENS  # most tokens one forward feeds (--step-tokens; 0: a context)
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Plan:
     budget: Budget
     rates: PlanRates
     kv_bytes: int  # the cache as the store charges it (float32, every position)
+    working_bytes: int  # a forward's activations, scores and logits, as the store charges them
     staging_bytes: int
     device_slots: int
     host_slots: int
@@ -66,7 +68,7 @@ class Plan:
 
     @property
     def host_charged(self) -> int:
-        return self.sizes.shared_bytes + self.kv_bytes + self.staging_bytes
+        return self.sizes.shared_bytes + self.kv_bytes + self.working_bytes + self.staging_bytes
 
     @property
     def all_experts(self) -> int:
@@ -85,13 +87,15 @@ class Plan:
 def check_fits(sizes: ModelSizes, budget: Budget) -> None:
     """Refuse a host budget below what the store charges, saying by how much and what to change."""
     kv = sizes.store_kv_bytes(budget.context, budget.batch, budget.step_tokens)
+    working = sizes.store_working_bytes(budget.context, budget.batch, budget.step_tokens)
     staging = max(sizes.top_k, 1) * sizes.slot_bytes
-    need = sizes.shared_bytes + kv + staging
+    need = sizes.shared_bytes + kv + working + staging
     if budget.host_bytes >= need:
         return
     short = need - budget.host_bytes
     per_position = sizes.store_kv_bytes(1, budget.batch)
-    room = budget.host_bytes - sizes.shared_bytes - staging
+    # a shorter context needs less working memory too: counting this one's errs on the safe side
+    room = budget.host_bytes - sizes.shared_bytes - working - staging
     fixes = [f"--host-mem {gib(need)} or more"]
     if room >= per_position:
         fixes.append(f"a shorter context: --ctx {room // per_position} fits")
@@ -105,7 +109,8 @@ def check_fits(sizes: ModelSizes, budget: Budget) -> None:
     raise MoeswapError(
         f"{sizes.path}: does not fit: --host-mem {gib(budget.host_bytes)} is {gib(short)} short "
         f"of the shared weights ({gib(sizes.shared_bytes)}) + the KV cache for "
-        f"{budget.batch} x {budget.context} positions ({gib(kv)}) + {max(sizes.top_k, 1)} "
+        f"{budget.batch} x {budget.context} positions ({gib(kv)}) + a forward's working memory "
+        f"({gib(working)}) + {max(sizes.top_k, 1)} "
         f"staging slots ({gib(staging)}), which stay in RAM; routed experts can all be left on "
         f"disk already. Change: " + "; or ".join(fixes))
 
@@ -201,8 +206,9 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
         raise MoeswapError(f"{sizes.path}: no routed experts; the planner is for MoE models")
     check_fits(sizes, budget)
     kv = sizes.store_kv_bytes(budget.context, budget.batch, budget.step_tokens)
+    working = sizes.store_working_bytes(budget.context, budget.batch, budget.step_tokens)
     staging = max(sizes.top_k, 1) * sizes.slot_bytes
-    charged = sizes.shared_bytes + kv + staging
+    charged = sizes.shared_bytes + kv + working + staging
     all_experts = sizes.n_expert * len(sizes.moe_layers)
     device_slots = min(budget.device_bytes // sizes.slot_bytes, all_experts)
     host_slots = min((budget.host_bytes - charged) // sizes.slot_bytes, all_experts - device_slots)
@@ -214,8 +220,8 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
                                          budget.batch)
     piece = min(PREFILL_PIECE, budget.context)
     prefill = piece / step_seconds(sizes, hits, rates, piece, 0, 1)
-    return Plan(sizes, budget, rates, kv, staging, device_slots, host_slots, per_layer, hits,
-                decode, prefill)
+    return Plan(sizes, budget, rates, kv, working, staging, device_slots, host_slots, per_layer,
+                hits, decode, prefill)
 
 
 def gib(n_bytes: float) -> str:

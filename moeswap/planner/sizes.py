@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeswap.experts.options import kv_cache_bytes
+from moeswap.experts.options import forward_working_bytes, kv_cache_bytes
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import ModelConfig, config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -83,6 +83,13 @@ class ModelSizes:
         position on full layers; a sliding layer keeps window - 1 + the most tokens a forward
         feeds a sequence (``step_tokens``; 0: a whole context, as a prompt filling it is fed)."""
         return kv_cache_bytes(self.config, context, sequences, step_tokens)
+
+    def store_working_bytes(self, context: int, sequences: int = 1, step_tokens: int = 0) -> int:
+        """What `moeswap run`, `chat` and `serve` charge the host budget for a forward's working
+        memory: ``step_tokens`` fed tokens (0: a whole context), no more than ``sequences``
+        whole contexts, each attending over ``context`` positions."""
+        tokens = min(step_tokens or context, sequences * context)
+        return forward_working_bytes(self.config, tokens, context)
 
 
 def model_sizes(gf: GGUFFile) -> ModelSizes:

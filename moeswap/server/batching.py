@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from moeswap.errors import MoeswapError
+from moeswap.generate import STEP_TOKENS
 from moeswap.sampling import Sampler
 
 
@@ -48,7 +49,7 @@ class BatchOptions:
     max_batch: int = 8  # requests decoded together
     queue_size: int = 64  # requests waiting to join the batch
     ctx: int = 4096  # positions per request: prompt and generated tokens
-    step_tokens: int = 512  # tokens per forward call; longer prompts are prefilled in chunks
+    step_tokens: int = STEP_TOKENS  # tokens per forward; longer prompts are prefilled in chunks
 
     def __post_init__(self):
         for name in ("max_batch", "queue_size", "ctx", "step_tokens"):

@@ -5,25 +5,20 @@ of ``sequences`` sequences of ``context_tokens`` positions and a step's working 
 (moeswap.experts.store). Each batch slot's cache may fill its context: every position on
 full-attention layers, window - 1 + ``--step-tokens`` on sliding-window layers (a step feeds a
 sequence at most that many tokens; moeswap.experts.options.kv_cache_bytes). A step's working
-memory is, per fed token, its activations, attention scores over the context and logits (the
-engine computes logits for every position); ``--step-tokens`` bounds it too, and the store
-leaves that much of the budget free of experts.
-
-Legend of the estimate (bytes per fed token, float32): V vocabulary, H query heads, C context
-(--ctx), D model width; logits and their sampled copy 2V, scores and softmax 2HC, activations
-about 16D (residual, norms, q/k/v/o, router, expert inputs and outputs).
+memory is, per fed token, its activations, attention scores over the context (--ctx) and
+logits (moeswap.experts.options.forward_working_bytes); ``--step-tokens`` bounds it too, and
+the store leaves that much of the budget free of experts.
 """
 
 from __future__ import annotations
 
-from moeswap.experts.options import kv_cache_bytes
+from moeswap.experts.options import forward_working_bytes, kv_cache_bytes
 from moeswap.formats.config import ModelConfig
 from moeswap.server.batching import BatchOptions
 
 
 def step_working_bytes(config: ModelConfig, options: BatchOptions) -> int:
-    per_token = 4 * (2 * config.n_vocab + 2 * config.n_head * options.ctx + 16 * config.n_embd)
-    return options.step_tokens * per_token
+    return forward_working_bytes(config, options.step_tokens, options.ctx)
 
 
 def charged_bytes(config: ModelConfig, options: BatchOptions) -> int:

@@ -1,0 +1,204 @@
+"""Chunked prefill: a prompt fed ``step_tokens`` at a time gives the logits and tokens of one
+forward over it (full attention and GPT-OSS's 4-token sliding window with sinks), in single and
+batched generation and in chat; ``--step-tokens`` of run / chat / plan, its refusals, and what
+run charges for a step (the KV cache and working memory of a chunk, as the planner counts)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import moeswap
+from moeswap.chat import ChatOptions, ChatSession
+from moeswap.cli import main
+from moeswap.errors import MoeswapError
+from moeswap.experts.options import forward_working_bytes, kv_cache_bytes
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.generate import generate, generate_batch, prefill
+from moeswap.sampling import GREEDY
+
+PROMPT_TOKENS = 40
+CHUNK = 7
+
+
+class CountingModel:
+    """The real model, with the tokens per sequence of every forward recorded."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls: list[list[int]] = []
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, tokens, caches):
+        self.calls.append([int(t.numel()) for t in tokens])
+        return self.model.forward(tokens, caches)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One kernel thread (the machine is shared); torch's count is process-wide, so restored."""
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "gpt_oss"])
+def tiny_gguf(request, tmp_path_factory):
+    import tiny_models
+    from moeswap.gguf_tools.convert import convert
+
+    folder = tmp_path_factory.mktemp(request.param)
+    tiny_models.save(request.param, folder / "hf")
+    return convert(folder / "hf", folder / "model.gguf", "f32")
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_gguf):
+    return moeswap.load(tiny_gguf, threads=1, tokenizer_cache_dir=tiny_gguf.parent / "cache")
+
+
+def prompt_ids(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
+    import tiny_models
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, tiny_models.VOCAB, (n,), generator=generator).tolist()
+
+
+def test_chunks_of_7_give_the_logits_of_one_forward(runtime):
+    model, ids = CountingModel(runtime.model), prompt_ids(0)
+    whole = prefill(model, [ids], [model.new_cache()], step_tokens=PROMPT_TOKENS)[0]
+    assert model.calls == [[PROMPT_TOKENS]]
+    model.calls.clear()
+    chunked = prefill(model, [ids], [model.new_cache()], step_tokens=CHUNK)[0]
+    assert model.calls == [[7]] * 5 + [[5]]  # 40 = 5 x 7 + 5
+    assert (chunked - whole).abs().max() <= 1e-5 * whole.abs().max()
+    assert chunked.argmax() == whole.argmax()
+
+
+def test_chunked_greedy_generation_gives_the_same_tokens(runtime):
+    ids = prompt_ids(1)
+    whole = list(generate(runtime.model, ids, max_tokens=12, step_tokens=PROMPT_TOKENS))
+    chunked = list(generate(runtime.model, ids, max_tokens=12, step_tokens=CHUNK))
+    assert len(whole) == 12 and chunked == whole
+
+
+def test_a_batch_feeds_each_unfinished_prompts_next_chunk(runtime):
+    prompts = [prompt_ids(2, 40), prompt_ids(3, 9), prompt_ids(4, 16)]
+    model = CountingModel(runtime.model)
+    batch: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for step in generate_batch(model, prompts, max_tokens=6, step_tokens=CHUNK):
+        for index, token in step:
+            batch[index].append(token)
+    # chunk by chunk, only the prompts with tokens left (and their caches) ride along
+    prefill_calls = [[7, 7, 7], [7, 2, 7], [7, 2], [7], [7], [5]]
+    assert model.calls[:6] == prefill_calls
+    assert model.calls[6] == [1, 1, 1]  # then one decode token each
+    for index, prompt in enumerate(prompts):
+        alone = list(generate(runtime.model, prompt, max_tokens=6, step_tokens=PROMPT_TOKENS))
+        assert batch[index] == alone, index
+
+
+def test_a_step_larger_than_the_prompt_is_one_forward(runtime):
+    model = CountingModel(runtime.model)
+    list(generate(model, prompt_ids(5), max_tokens=3, step_tokens=512))
+    assert model.calls == [[PROMPT_TOKENS], [1], [1]]
+    model.calls.clear()
+    list(generate(model, prompt_ids(5), max_tokens=1))  # the default: llama.cpp's 512
+    assert model.calls == [[PROMPT_TOKENS]]
+
+
+def test_prefill_refuses_a_step_below_one(runtime):
+    for bad in (0, -3):
+        with pytest.raises(MoeswapError, match=rf"--step-tokens must be >= 1, got {bad}"):
+            prefill(runtime.model, [[1, 2]], [runtime.model.new_cache()], step_tokens=bad)
+
+
+@pytest.mark.parametrize("command", [
+    ["run", "MODEL", "-p", "hi", "-n", "1"],
+    ["chat", "MODEL"],
+    ["plan", "MODEL", "--host-mem", "1GiB", "--ctx", "64"],
+])
+@pytest.mark.parametrize("bad", ["0", "-1"])
+def test_a_bad_step_tokens_flag_is_one_line(tiny_gguf, command, bad, capsys):
+    argv = [str(tiny_gguf) if a == "MODEL" else a for a in command]
+    assert main([*argv, "--step-tokens", bad]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"moeswap: error: --step-tokens must be >= 1, got {bad}\n"
+    assert captured.out == ""
+
+
+def test_run_with_small_steps_prints_what_one_forward_does(tiny_gguf, capsys):
+    text = "The quick brown fox jumps over the lazy dog."
+    base = ["run", str(tiny_gguf), "-p", text, "-n", "6", "--temp", "0", "--threads", "1"]
+    assert main(base) == 0
+    whole = capsys.readouterr().out
+    assert main(base + ["--step-tokens", "3"]) == 0
+    assert capsys.readouterr().out == whole
+
+
+def test_run_charges_a_chunk_and_the_plan_counts_the_same(tiny_gguf, monkeypatch, capsys):
+    """`run` hands the store the KV cache and working memory of a --step-tokens chunk (not the
+    prompt), and `moeswap plan` at that context and step charges the same bytes."""
+    from moeswap.cli import run_commands
+
+    charged = {}
+
+    def capture(args, **charge):
+        charged.update(charge)
+        return None  # all resident: the charge is what is checked
+
+    monkeypatch.setattr(run_commands, "store_factory", capture)
+    text = "The quick brown fox jumps over the lazy dog."
+    assert main(["run", str(tiny_gguf), "-p", text, "-n", "4", "--temp", "0", "--threads", "1",
+                 "--host-mem", "1GiB", "--step-tokens", "5"]) == 0
+    capsys.readouterr()
+    context = len(text.encode()) + 1 + 4  # run's bound: a token per byte, BOS, -n
+    gguf = GGUFFile.open(tiny_gguf)
+    config = config_from_gguf(gguf)
+    gguf.close()
+    working = forward_working_bytes(config, 5, context)
+    assert charged == dict(context_tokens=context, step_tokens=5, working_bytes=working)
+    assert working == 5 * 4 * (2 * 128 + 2 * 4 * context + 16 * 64)  # V 128, 4 heads, D 64
+
+    assert main(["plan", str(tiny_gguf), "--host-mem", "1GiB", "--ctx", str(context),
+                 "--step-tokens", "5", "--json"]) == 0
+    import json
+
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["moeswap"]["working_bytes"] == working
+    assert doc["kv_cache"]["moeswap_charge_bytes"] == kv_cache_bytes(config, context, 1, 5)
+    assert doc["moeswap"]["command"][-2:] == ["--step-tokens", "5"]
+
+
+def test_chat_prefills_a_turn_in_chunks(tmp_path, monkeypatch):
+    from gguf import GGUFValueType as T
+
+    from gguf_builders import mixtral
+
+    with pytest.raises(MoeswapError, match="--step-tokens must be >= 1, got 0"):
+        ChatOptions(step_tokens=0)
+    spec = mixtral()
+    spec.kv["tokenizer.chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}a{% endif %}", T.STRING)
+    path = spec.write(tmp_path / "tiny.gguf")
+    rt = moeswap.load(path, threads=1, tokenizer_cache_dir=tmp_path / "cache")
+    resident = rt.model
+    replies, calls = [], []
+    for step in (512, 2):
+        model = CountingModel(resident)
+        monkeypatch.setattr(rt, "model", model)
+        session = ChatSession(rt, ChatOptions(max_tokens=4, step_tokens=step), GREEDY)
+        out = io.StringIO()
+        session.turn("abcab", out)
+        replies.append(out.getvalue())
+        calls.append(model.calls)
+    n = sum(calls[0][0])  # the turn's prompt, in one forward at 512
+    assert calls[0][0] == [n] and n > 2
+    assert calls[1][:(n + 1) // 2] == [[2]] * (n // 2) + [[1]] * (n % 2)
+    assert replies[1] == replies[0]
