@@ -195,13 +195,16 @@ def trace_stats(trace: RoutingTrace) -> TraceStats:
 
 def render_stats(stats: TraceStats, console) -> None:
     """Per-layer table of the statistics, then one line per whole-trace figure."""
+    from rich import box
     from rich.table import Table
 
     table = Table(title=f"{stats.model}: {stats.n_tokens} tokens, {stats.n_prompts} prompts, "
-                        f"{stats.n_experts} experts, top-{stats.k}")
-    for column in ("block", "gini", "entropy (bits)", "top-10% share", "reuse 1st", f"reuse any-of-{stats.k}",
-                   "next-layer guess", "popular guess", "next-layer MI (bits)"):
-        table.add_column(column, justify="right")
+                        f"{stats.n_experts} experts, top-{stats.k}", box=box.SIMPLE_HEAD,
+                  collapse_padding=True)
+    # short header words and no column rules: the table fits an 80-column terminal uncut
+    for column in ("block", "gini", "entropy\n(bits)", "top-10%\nshare", "reuse\n1st",
+                   f"reuse\nany-of-{stats.k}", "next\nguess", "popular\nguess", "next MI\n(bits)"):
+        table.add_column(column, justify="right", min_width=max(map(len, column.split("\n"))))
     L = len(stats.layers)
     for i in range(L):
         has_next = i < L - 1
@@ -219,5 +222,6 @@ def render_stats(stats: TraceStats, console) -> None:
     if distances.sum():
         median = int(np.searchsorted(np.cumsum(distances), distances.sum() / 2))
         console.print(f"reuse distance: median {median} tokens, {distances[1] / distances.sum():.1%} at distance 1")
-    console.print("next-layer guesses are fitted on this trace (in-sample): the share of layer l+1's experts "
-                  "guessed from layer l's, versus guessing l+1's most used experts")
+    console.print("next guess: the share of layer l+1's experts guessed from layer l's, fitted on this "
+                  "trace (in-sample); popular guess: guessing l+1's most used experts; next MI: the "
+                  "mutual information of the experts at l and l+1")
