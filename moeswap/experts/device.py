@@ -14,12 +14,17 @@ copies until their event is waited on). On CUDA:
   copy stream first waits for the compute stream's work so far, so a slot is rewritten only
   after its last reader. Prefetch (moeswap.experts.store) uploads guessed experts this way
   ahead of their layer;
-- products dequantize the expert's matrix on the device and multiply in float32, with the
-  activations rounded first the way ggml rounds them on the CPU (Q8_0 blocks for Q4_0 / Q8_0),
-  so that device and CPU results differ only by float summation order.
+- products dequantize the expert's matrix on the device (moeswap.experts.device_dequant, bit
+  for bit gguf-py's values) and multiply in float32, with the activations rounded first the
+  way ggml's CPU rounds them for that weight type (its ``vec_dot_type``: fp16 for F16, Q8_0
+  blocks for Q8_0 / Q4_0 / Q5_0 / MXFP4, Q8_K blocks for the K-quants), so that device and CPU
+  results differ only by float summation order (and, for Q8_K, by rounding each activation's
+  q * d to float32, which ggml never forms: an error of the same size).
 
-Types: F32, F16, Q8_0 and Q4_0 (``DEVICE_TYPES``); a model with other expert types keeps its
-experts off the device (the store refuses ``--device-mem`` for it).
+Types: ``DEVICE_TYPES``, the keys of ``ACTIVATION_ROUNDING``: F32, F16, Q8_0, Q4_0, Q5_0, MXFP4,
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. A model with other expert types (Q4_1 / Q5_1, whose Q8_1
+activations carry an fp16 sum the min term uses; the IQ types) keeps its experts off the device
+(the store refuses ``--device-mem`` for it).
 
 Legend: M rows (tokens) of one expert, I input width, O output width, B blocks per row.
 """
@@ -31,34 +36,58 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from moeswap.experts.device_dequant import dequantize
 from moeswap.experts.tiers import FreeSlots, slot_pieces
 from moeswap.models.quant_experts import VECTOR_DTYPES, ExpertLayout
 
-DEVICE_TYPES = frozenset({int(Q.F32), int(Q.F16), int(Q.Q8_0), int(Q.Q4_0)})
 
-
-def dequantize(raw: torch.Tensor, ggml_type: int, rows: int, cols: int) -> torch.Tensor:
-    """Stored bytes (uint8, any device) of a [rows, cols] matrix -> float32 [rows, cols]."""
-    if ggml_type in VECTOR_DTYPES:
-        return raw.view(VECTOR_DTYPES[ggml_type]).float().view(rows, cols)
-    blocks = raw.view(rows, cols // 32, -1)  # [O, B, bytes per block]
-    scale = blocks[..., :2].contiguous().view(torch.float16).float()  # [O, B, 1]
-    if ggml_type == Q.Q8_0:
-        quants = blocks[..., 2:].contiguous().view(torch.int8).float()  # [O, B, 32]
-    else:  # Q4_0: low nibbles are values 0..15, high nibbles 16..31, both offset by 8
-        packed = blocks[..., 2:].to(torch.int16)  # [O, B, 16]
-        quants = (torch.cat((packed & 0xF, packed >> 4), dim=-1) - 8).float()  # [O, B, 32]
-    return (quants * scale).view(rows, cols)
-
-
-def round_like_ggml(x: torch.Tensor) -> torch.Tensor:
-    """Rows rounded to Q8_0 blocks as ggml's CPU quantize_row_q8_0 does for Q4_0/Q8_0 weights:
-    d = amax / 127 kept as fp16, q = round(x * 127 / amax)."""
+def round_to_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """Rows [M, I] rounded to Q8_0 blocks as ggml's x86 quantize_row_q8_0 (AVX2) rounds them:
+    d = amax / 127 kept as fp16, q = x * (127 / amax) rounded half to even."""
     blocks = x.view(x.shape[0], -1, 32)  # [M, B, 32]
     amax = blocks.abs().amax(dim=-1, keepdim=True)  # [M, B, 1]
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    d = (amax / 127.0).half().float()
+    full = torch.full_like(amax, 127.0)  # divide by a tensor: CUDA's tensor / float is x * (1/f)
+    inverse = torch.where(amax > 0, full / amax, torch.zeros_like(amax))
+    d = (amax / full).half().float()
     return (torch.round(blocks * inverse) * d).view_as(x)
+
+
+def round_to_q8_k(x: torch.Tensor) -> torch.Tensor:
+    """Rows [M, I] rounded to Q8_K blocks of 256 as ggml's quantize_row_q8_K_ref does (every CPU
+    but wasm uses it): max = the block's first value of largest magnitude, with its sign;
+    iscale = -127 / max; q = min(127, nearest_int(iscale * x)) (half to even); d = 1 / iscale as
+    float32; an all-zero block stays zero. Returns q * d rounded to float32."""
+    blocks = x.view(x.shape[0], -1, 256)  # [M, B, 256]
+    first = blocks.abs().argmax(dim=-1, keepdim=True)  # [M, B, 1]: the first largest, as ggml
+    signed_max = blocks.gather(-1, first)  # [M, B, 1]
+    iscale = torch.full_like(signed_max, -127.0) / signed_max  # [M, B, 1]
+    q = torch.round(blocks * iscale).clamp(max=127)  # [M, B, 256]
+    d = torch.ones_like(iscale) / iscale  # [M, B, 1]
+    return torch.where(signed_max != 0, q * d, torch.zeros_like(q)).view_as(x)
+
+
+def _unrounded(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _round_to_f16(x: torch.Tensor) -> torch.Tensor:
+    return x.half().float()
+
+
+# How ggml's CPU rounds a product's activations for each weight type: its vec_dot_type
+# (type_traits_cpu in ggml-cpu.c): F32 none, F16 fp16, Q8_0 for Q4_0 / Q5_0 / Q8_0 / MXFP4,
+# Q8_K for the K-quants.
+ACTIVATION_ROUNDING = {
+    int(Q.F32): _unrounded, int(Q.F16): _round_to_f16,
+    **{int(t): round_to_q8_0 for t in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4)},
+    **{int(t): round_to_q8_k for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)},
+}
+DEVICE_TYPES = frozenset(ACTIVATION_ROUNDING)
+
+
+def device_type_names() -> str:
+    """The device tier's types by name, for messages: 'F32, F16, Q4_0, ...'."""
+    return ", ".join(Q(t).name for t in sorted(DEVICE_TYPES))
 
 
 class _DeviceMatrix:
@@ -70,9 +99,7 @@ class _DeviceMatrix:
     def matmul(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [M, I] (ids: [M, 1], all 0) -> [M, 1, O] on the CPU, like QuantExperts.matmul."""
         w = dequantize(self.raw, self.ggml_type, self.out_features, self.in_features)  # [O, I]
-        x = x.to(self.raw.device, torch.float32)
-        if self.ggml_type in (Q.Q8_0, Q.Q4_0):
-            x = round_like_ggml(x)
+        x = ACTIVATION_ROUNDING[self.ggml_type](x.to(self.raw.device, torch.float32))  # [M, I]
         return F.linear(x, w)[:, None].cpu()  # [M, 1, O]
 
 

@@ -46,7 +46,7 @@ import torch
 from moeswap.errors import MoeswapError
 from moeswap.experts import policies as p
 from moeswap.experts.cost import MissPlanner, Rates
-from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots
+from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots, device_type_names
 from moeswap.experts.lowbit import LowBitCopies
 from moeswap.experts.options import kv_cache_bytes
 from moeswap.experts.guesses import HostGuesses, reserved_slots
@@ -193,7 +193,7 @@ class ExpertStore:
                       if p.ggml_type not in DEVICE_TYPES})
         if odd and n_slots:
             raise MoeswapError(f"'{odd[0]}' has a type the {backend} device tier cannot compute "
-                               "yet (F32, F16, Q8_0 and Q4_0 it can); leave --device-mem at 0")
+                               f"yet (it computes {device_type_names()}); leave --device-mem at 0")
         return TorchDeviceSlots(backend, n_slots, self.slot_size)
 
     @classmethod
