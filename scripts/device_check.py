@@ -8,7 +8,8 @@
    slots in device memory, uploads through pinned buffers on a copy stream, events) holding one
    expert per layer, then every expert, ``--miss transfer``: logits within 1e-4 of the row's
    largest resident logit, and the same token wherever the resident run's top-1/top-2 margin
-   exceeds 0.1. A failure makes the exit status 1 (the measurements still run).
+   exceeds 0.1; and one expert product each for Q8_0, Q4_0 and Q4_K (Q8_K-rounded activations)
+   compared directly. A failure makes the exit status 1 (the measurements still run).
 2. Upload bandwidth: host-to-device copies from pageable and from pinned memory, and the device
    tier's own upload path (a pinned ring of two buffers and a copy stream) with expert-sized
    slots.
@@ -150,7 +151,8 @@ def product_agreement(device: str, threads: int) -> list[dict]:
     x = torch.randn(8, 4096, generator=torch.Generator().manual_seed(3))
     ids = torch.zeros(8, 1, dtype=torch.int32)
     weights = np.random.default_rng(0).normal(0.0, 1.0, (1024, 4096)).astype(np.float32)
-    for type_name, type_id in (("q8_0", int(Q.Q8_0)), ("q4_0", int(Q.Q4_0))):
+    for type_name, type_id in (("q8_0", int(Q.Q8_0)), ("q4_0", int(Q.Q4_0)),
+                               ("q4_k", int(Q.Q4_K))):
         raw = quantize_rows(weights, type_id).reshape(-1)
         expected = kernels.experts(raw, type_id, (4096, 1024, 1)).matmul(x, ids)
         on_device = torch.from_numpy(raw.copy()).to(device)
