@@ -53,8 +53,8 @@ def round_to_q8_0(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_to_q8_k(x: torch.Tensor) -> torch.Tensor:
-    """Rows [M, I] rounded to Q8_K blocks of 256 as ggml's quantize_row_q8_K_ref does (every CPU
-    but wasm uses it): max = the block's first value of largest magnitude, with its sign;
+    """Rows [M, I] rounded to Q8_K blocks of 256 as ggml's quantize_row_q8_K_ref does (its x86
+    CPU code calls it): max = the block's first value of largest magnitude, with its sign;
     iscale = -127 / max; q = min(127, nearest_int(iscale * x)) (half to even); d = 1 / iscale as
     float32; an all-zero block stays zero. Returns q * d rounded to float32."""
     blocks = x.view(x.shape[0], -1, 256)  # [M, B, 256]
