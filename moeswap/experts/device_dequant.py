@@ -37,13 +37,12 @@ def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
 
 
-def _unpack(packed: torch.Tensor, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
-    """packed uint8 [..., G, V] -> [..., G, F, V]: field f of every byte (shifted, masked)."""
-    by = torch.tensor(shifts, dtype=torch.uint8, device=packed.device).view(-1, 1)  # [F, 1]
-    return (packed.unsqueeze(-2) >> by) & mask
-
-
-_NIBBLES, _CRUMBS, _BITS = (0, 4), (0, 2, 4, 6), tuple(range(8))
+def _unpack(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """packed uint8 [..., G, V] -> [..., G, F, V]: the F = 8 / width fields of ``width`` bits
+    of every byte, lowest first. (Shifts made by arange on the device: a table copied from the
+    host would make a CUDA compute stream wait.)"""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)  # [F]
+    return (packed.unsqueeze(-2) >> shifts.view(-1, 1)) & ((1 << width) - 1)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -53,7 +52,7 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def _low_nibbles_first(qs: torch.Tensor) -> torch.Tensor:
     """qs [N, 16] -> [N, 32] uint8: the 16 low nibbles, then the 16 high ones."""
-    return _unpack(qs.view(-1, 1, 16), _NIBBLES, 0xF).reshape(-1, 32)  # [N, 1, 2, 16] -> [N, 32]
+    return _unpack(qs.view(-1, 1, 16), 4).reshape(-1, 32)  # [N, 1, 2, 16] -> [N, 32]
 
 
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -63,22 +62,28 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     """[N, 22] -> [N, 32]: fp16 d, 32 fifth bits (little-endian uint32), 16 bytes of nibbles."""
-    high = _unpack(blocks[:, 2:6].view(-1, 4, 1), _BITS, 1).reshape(-1, 32)  # [N, 4, 8, 1]
+    high = _unpack(blocks[:, 2:6].view(-1, 4, 1), 1).reshape(-1, 32)  # [N, 4, 8, 1]
     q = _low_nibbles_first(blocks[:, 6:]) | (high << 4)  # [N, 32] in 0..31
     return _half(blocks, 0) * (q.float() - 16)
 
 
-# MXFP4's e2m1 values, doubled (gguf-py's ``kvalues``): the block scale below is halved to match.
-_E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+def _e2m1_doubled(device: torch.device) -> torch.Tensor:
+    """The 16 e2m1 values, doubled (gguf-py's ``kvalues``: 0, 1, 2, 3, 4, 6, 8, 12, then their
+    negatives), float32 [16], computed on the device: sign bit, 2 exponent bits, 1 mantissa bit."""
+    n = torch.arange(16, device=device)  # [16]
+    exponent, mantissa = (n >> 1) & 3, n & 1
+    magnitude = torch.where(exponent == 0, mantissa, (2 + mantissa) << (exponent - 1).clamp(min=0))
+    return torch.where(n >= 8, -magnitude, magnitude).float()
 
 
 def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
-    """[N, 17] -> [N, 32]: e8m0 exponent, 16 bytes of e2m1 nibbles."""
+    """[N, 17] -> [N, 32]: e8m0 exponent, 16 bytes of e2m1 nibbles (values doubled, scale
+    halved, as gguf-py and ggml do)."""
     e = blocks[:, :1].to(torch.int32)  # [N, 1]
     # ggml_e8m0_to_fp32_half: 2^(e-128) as float32 bits (subnormal for e < 2)
     bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-    values = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=blocks.device)
-    return bits.view(torch.float32) * values[_low_nibbles_first(blocks[:, 1:]).long()]
+    values = _e2m1_doubled(blocks.device)[_low_nibbles_first(blocks[:, 1:]).long()]  # [N, 32]
+    return bits.view(torch.float32) * values
 
 
 def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -87,19 +92,19 @@ def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
     scales = blocks[:, :16]  # [N, S=16]
     dl = (_half(blocks, 80) * (scales & 0xF).float()).view(-1, 16, 1)  # [N, S, 1]
     ml = (_half(blocks, 82) * (scales >> 4).float()).view(-1, 16, 1)  # [N, S, 1]
-    q = _unpack(blocks[:, 16:80].view(-1, 2, 32), _CRUMBS, 3)  # [N, 2, 4, 32]
+    q = _unpack(blocks[:, 16:80].view(-1, 2, 32), 2)  # [N, 2, 4, 32]
     return (dl * q.view(-1, 16, 16).float() - ml).view(-1, 256)
 
 
 def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     """[N, 110] -> [N, 256]: 32 bytes of high bits (set: no offset), 64 bytes of 2-bit quants,
     12 bytes of 6-bit scales offset by 32, fp16 d. 16 sub-blocks of 16."""
-    low = _unpack(blocks[:, 96:104].view(-1, 1, 8), _NIBBLES, 0xF).view(-1, 16)  # [N, S]
-    high = _unpack(blocks[:, 104:108].view(-1, 1, 4), _CRUMBS, 3).view(-1, 16)  # [N, S]
+    low = _unpack(blocks[:, 96:104].view(-1, 1, 8), 4).view(-1, 16)  # [N, S]
+    high = _unpack(blocks[:, 104:108].view(-1, 1, 4), 2).view(-1, 16)  # [N, S]
     scales = (low | (high << 4)).float() - 32  # [N, S]
     dl = (_half(blocks, 108) * scales).view(-1, 16, 1)  # [N, S, 1]
-    q = _unpack(blocks[:, 32:96].view(-1, 2, 32), _CRUMBS, 3).view(-1, 16, 16)  # [N, S, L]
-    offset = _unpack(blocks[:, :32].view(-1, 1, 32), _BITS, 1).view(-1, 16, 16) ^ 1  # [N, S, L]
+    q = _unpack(blocks[:, 32:96].view(-1, 2, 32), 2).view(-1, 16, 16)  # [N, S, L]
+    offset = _unpack(blocks[:, :32].view(-1, 1, 32), 1).view(-1, 16, 16) ^ 1  # [N, S, L]
     return (dl * (q.float() - (offset << 2).float())).view(-1, 256)
 
 
@@ -122,15 +127,15 @@ def _k_scaled(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     """[N, 144] -> [N, 256]: fp16 d, fp16 dmin, 12 bytes of scales and mins, 128 bytes of
     nibbles (32 bytes: low nibbles one sub-block, high nibbles the next). 8 sub-blocks of 32."""
-    q = _unpack(blocks[:, 16:].view(-1, 4, 32), _NIBBLES, 0xF)  # [N, 4, 2, 32]
+    q = _unpack(blocks[:, 16:].view(-1, 4, 32), 4)  # [N, 4, 2, 32]
     return _k_scaled(blocks, q.view(-1, 8, 32))
 
 
 def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     """[N, 176] -> [N, 256]: Q4_K's fields with 32 bytes of fifth bits (bit s of byte l: value
     l of sub-block s) before the nibbles."""
-    low = _unpack(blocks[:, 48:].view(-1, 4, 32), _NIBBLES, 0xF).view(-1, 8, 32)  # [N, S, L]
-    high = _unpack(blocks[:, 16:48].view(-1, 1, 32), _BITS, 1).view(-1, 8, 32)  # [N, S, L]
+    low = _unpack(blocks[:, 48:].view(-1, 4, 32), 4).view(-1, 8, 32)  # [N, S, L]
+    high = _unpack(blocks[:, 16:48].view(-1, 1, 32), 1).view(-1, 8, 32)  # [N, S, L]
     return _k_scaled(blocks, low | (high << 4))
 
 
@@ -139,8 +144,8 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     fp16 d; quants offset by 32. 16 sub-blocks of 16."""
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [N, 16]
     d = (_half(blocks, 208) * scales).view(-1, 16, 1)  # [N, 16, 1]
-    low = _unpack(blocks[:, :128].view(-1, 2, 64), _NIBBLES, 0xF).view(-1, 8, 32)  # [N, 8, 32]
-    high = _unpack(blocks[:, 128:192].view(-1, 2, 32), _CRUMBS, 3).view(-1, 8, 32)  # [N, 8, 32]
+    low = _unpack(blocks[:, :128].view(-1, 2, 64), 4).view(-1, 8, 32)  # [N, 8, 32]
+    high = _unpack(blocks[:, 128:192].view(-1, 2, 32), 2).view(-1, 8, 32)  # [N, 8, 32]
     q = (low | (high << 4)).view(-1, 16, 16).float() - 32  # [N, 16, 16]
     return (d * q).view(-1, 256)
 
