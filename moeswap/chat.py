@@ -15,7 +15,8 @@ from typing import Any, Iterator, TextIO
 
 from moeswap.context_window import POLICIES, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
-from moeswap.generate import STEP_TOKENS, GenerationStats, check_step_tokens, decode_step, prefill
+from moeswap.experts.options import STEP_TOKENS
+from moeswap.generate import GenerationStats, check_step_tokens, decode_step, prefill
 from moeswap.runtime import peak_rss_bytes
 from moeswap.sampling import Sampler, SamplingParams
 

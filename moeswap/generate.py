@@ -20,9 +20,9 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from moeswap.errors import MoeswapError
+from moeswap.experts.options import STEP_TOKENS
 from moeswap.sampling import GREEDY, Sampler
 
-STEP_TOKENS = 512  # default tokens per forward: llama.cpp's n_ubatch
 
 
 class Model(Protocol):

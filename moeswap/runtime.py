@@ -12,7 +12,8 @@ import torch
 
 from moeswap.chat_template import ChatTemplate
 from moeswap.errors import MoeswapError
-from moeswap.generate import STEP_TOKENS, GenerationStats, generate
+from moeswap.experts.options import STEP_TOKENS
+from moeswap.generate import GenerationStats, generate
 from moeswap.sampling import Sampler, SamplingParams
 from moeswap.tokenizer import Tokenizer, load_tokenizer
 

@@ -57,7 +57,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
 def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
     """``--step-tokens``, as `moeswap run`, `chat` and `serve` (``scope``: its words on what a
     step carries) and `moeswap plan` share it."""
-    from moeswap.generate import STEP_TOKENS
+    from moeswap.experts.options import STEP_TOKENS
 
     p.add_argument("--step-tokens", type=int, default=STEP_TOKENS, metavar="N",
                    help=f"most tokens one forward feeds{scope}; longer prompts are prefilled in "

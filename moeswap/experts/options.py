@@ -7,6 +7,8 @@ import re
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
 
+STEP_TOKENS = 512  # default tokens per forward: llama.cpp's n_ubatch
+
 PREDICTORS = ("off", "gate", "history", "both")  # --prefetch: moeswap.experts.prefetch
 # --miss-lowbit: the types a low-bit copy can take (moeswap.experts.lowbit); ggml quantizes
 # each without an importance matrix.

@@ -16,7 +16,7 @@ import numpy as np
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import TOKENS_PER_READ
-from moeswap.generate import STEP_TOKENS
+from moeswap.experts.options import STEP_TOKENS
 from moeswap.planner.rates import PlanRates
 from moeswap.planner.replayed import check_trace, lru_hit_rate
 from moeswap.planner.sizes import ModelSizes
