@@ -5,20 +5,27 @@ context use and the expert store's counters, ``/exit`` (or end of input) quits. 
 is kept between turns: when the new prompt starts with everything already in the cache, only
 the new tokens are prefilled. A conversation that outgrows ``ctx`` is refused (the turn is
 dropped) or, with the keep-recent policy, cut to the system prompt and the most recent tokens.
+A turn stopped part-way (Ctrl-C, an error in the model) keeps what its finished forwards put in
+the cache, e.g. the first chunks of a long prompt: the session always knows which ids the cache
+holds, so the next turn reuses them when the conversation still starts with them and gives the
+reply a fresh cache would.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, TextIO
+from typing import TYPE_CHECKING, Any, Iterator, TextIO
 
 from moeswap.context_window import POLICIES, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
 from moeswap.experts.options import STEP_TOKENS
-from moeswap.generate import GenerationStats, check_step_tokens, decode_step, prefill
+from moeswap.generate import GenerationStats, check_step_tokens, prefill
 from moeswap.runtime import peak_rss_bytes
 from moeswap.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 HELP = "commands: /reset (new conversation), /stats, /exit"
 
@@ -121,8 +128,7 @@ class ChatSession:
             self.cache, self.cached = model.new_cache(), []
         started = time.perf_counter()
         new = ids[len(self.cached):]
-        logits = prefill(model, [new], [self.cache], self.options.step_tokens)[0]
-        self.cached = list(ids)
+        logits = self._feed(new)
         self.stats.prompt_tokens += len(new)
         self.stats.prompt_seconds += time.perf_counter() - started
         for _ in range(self.options.max_tokens):
@@ -132,10 +138,19 @@ class ChatSession:
             self.stats.generated_tokens += 1
             yield token
             started = time.perf_counter()
-            logits = decode_step(model, [token], [self.cache])[0]
-            self.cached.append(token)
+            logits = self._feed([token])
             self.stats.decode_tokens += 1
             self.stats.decode_seconds += time.perf_counter() - started
+
+    def _feed(self, tokens: list[int]) -> torch.Tensor:
+        """Run ``tokens`` after the cached ids, ``step_tokens`` per forward: the next token's
+        logits [V]. However it ends, ``cached`` is then the ids the cache holds: a forward that
+        fails or is interrupted commits nothing, but the chunks fed before it stay."""
+        fed = self.cached + tokens
+        try:
+            return prefill(self.runtime.model, [tokens], [self.cache], self.options.step_tokens)[0]
+        finally:
+            self.cached = fed[:self.cache.length]
 
     def stats_text(self) -> str:
         s = self.stats

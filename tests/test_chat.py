@@ -1,6 +1,6 @@
 """`moeswap chat` driven with scripted stdin on a tiny Mixtral-layout GGUF with a chat template:
 replies equal greedy generation over the re-rendered conversation (so the kept KV cache is
-right), /reset, /stats, and the context limit with both policies."""
+right), /reset, /stats, the context limit with both policies, and a turn stopped part-way."""
 
 from __future__ import annotations
 
@@ -89,6 +89,78 @@ def test_the_kv_cache_is_kept_between_turns(runtime):
     full = len(runtime.chat_prompt_ids(session.messages[:-1]))
     assert session.stats.prompt_tokens == first_prompt + full - in_cache  # only the new part
 
+
+
+class FailingModel:
+    """The real model, whose forward number ``fail_at`` raises ``error`` (0: none does)."""
+
+    def __init__(self, model, error: BaseException, fail_at: int):
+        self.model, self.error, self.fail_at, self.calls = model, error, fail_at, 0
+
+    def new_cache(self):
+        return self.model.new_cache()
+
+    def forward(self, tokens, caches):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.error
+        return self.model.forward(tokens, caches)
+
+
+class SeenLogits:
+    """A sampler that keeps the logits of every pick."""
+
+    def __init__(self, sampler):
+        self.sampler, self.logits = sampler, []
+
+    def next_token(self, logits, history):
+        self.logits.append(logits.clone())
+        return self.sampler.next_token(logits, history)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("the store failed")],
+                         ids=["ctrl-c", "error"])
+@pytest.mark.parametrize("fail_at", [2, 5], ids=["2nd-prefill-chunk", "1st-decode"])
+def test_a_turn_stopped_part_way_keeps_the_cache_and_its_ids_in_step(runtime, monkeypatch,
+                                                                     error, fail_at):
+    """The first prompt (8 tokens) goes in 2 per forward; forward ``fail_at`` raises. The cache
+    keeps the forwards before it and the session knows which ids those are, so the next turn
+    picks exactly the tokens, from exactly the logits, of a fresh session over the same
+    conversation."""
+    resident = runtime.model
+    failing = FailingModel(resident, error, fail_at)
+    monkeypatch.setattr(runtime, "model", failing)
+    options = ChatOptions(max_tokens=N, step_tokens=2)
+    session = ChatSession(runtime, options, GREEDY)
+    first = runtime.chat_prompt_ids([{"role": "user", "content": "abcab"}])
+    assert len(first) == 8
+    out = io.StringIO()
+    if isinstance(error, KeyboardInterrupt):
+        session.turn("abcab", out)  # Ctrl-C stops the reply; the session goes on
+        assert out.getvalue().endswith(" [interrupted]\n")
+    else:
+        with pytest.raises(RuntimeError, match="the store failed"):
+            session.turn("abcab", out)
+    held = 2 * (fail_at - 1) if fail_at <= 4 else len(first)  # forwards that finished
+    assert session.cache.length == len(session.cached) == held
+    assert session.cached == first[:held]
+
+    failing.fail_at = 0
+    history = list(session.messages)
+    session.sampler = SeenLogits(session.sampler)
+    resumed = io.StringIO()
+    session.turn("bca", resumed)
+    monkeypatch.setattr(runtime, "model", resident)
+    fresh = ChatSession(runtime, options, GREEDY)
+    fresh.messages = history
+    fresh.sampler = SeenLogits(fresh.sampler)
+    expected = io.StringIO()
+    fresh.turn("bca", expected)
+    assert resumed.getvalue() == expected.getvalue()
+    assert session.cached == fresh.cached and session.cache.length == len(fresh.cached)
+    assert len(session.sampler.logits) == len(fresh.sampler.logits) > 0
+    for seen, want in zip(session.sampler.logits, fresh.sampler.logits):
+        assert torch.equal(seen, want)
 
 def test_context_overflow_is_refused_and_the_session_goes_on(tiny_path, runtime, monkeypatch, capsys):
     code, out, _ = chat(tiny_path, monkeypatch, capsys, "b" * 40 + "\nbcd\n", "--ctx", "16")
