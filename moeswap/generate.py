@@ -24,7 +24,6 @@ from moeswap.experts.options import STEP_TOKENS
 from moeswap.sampling import GREEDY, Sampler
 
 
-
 class Model(Protocol):
     def new_cache(self): ...
 
@@ -69,8 +68,9 @@ def check_step_tokens(step_tokens: int) -> None:
 def prefill(model: Model, prompts: Sequence[Sequence[int]], caches: list,
             step_tokens: int = STEP_TOKENS) -> list[torch.Tensor]:
     """Run the prompts through the model, at most ``step_tokens`` of each per forward; each
-    one's logits for its next token: [V]. Each forward carries the next chunk of every prompt
-    not yet fed, and only those sequences' caches."""
+    one's logits for its next token: [V], a copy (a view would keep its chunk's [T, V] logits
+    alive while the next chunk runs). Each forward carries the next chunk of every prompt not
+    yet fed, and only those sequences' caches."""
     check_step_tokens(step_tokens)
     last: list[torch.Tensor | None] = [None] * len(prompts)
     for start in range(0, max((len(p) for p in prompts), default=0), step_tokens):
@@ -79,7 +79,7 @@ def prefill(model: Model, prompts: Sequence[Sequence[int]], caches: list,
             [torch.tensor(list(prompts[i][start:start + step_tokens]), dtype=torch.long)
              for i in fed], [caches[i] for i in fed])
         for i, rows in zip(fed, logits):
-            last[i] = rows[-1]
+            last[i] = rows[-1].clone()
     return last
 
 

@@ -80,6 +80,17 @@ def test_chunks_of_7_give_the_logits_of_one_forward(runtime):
     assert chunked.argmax() == whole.argmax()
 
 
+
+def test_the_kept_rows_are_copies_not_views_of_a_chunks_logits(runtime):
+    """prefill keeps each prompt's last row [V] in storage of its own: a view would keep the
+    whole [T, V] logits of its chunk (of every prompt in that forward) alive."""
+    model = runtime.model
+    rows = prefill(model, [prompt_ids(6), prompt_ids(7, 9)], [model.new_cache(), model.new_cache()],
+                   step_tokens=CHUNK)
+    for row in rows:
+        assert row.shape == (model.config.n_vocab,)
+        assert row.untyped_storage().nbytes() == row.numel() * row.element_size()
+
 def test_chunked_greedy_generation_gives_the_same_tokens(runtime):
     ids = prompt_ids(1)
     whole = list(generate(runtime.model, ids, max_tokens=12, step_tokens=PROMPT_TOKENS))
