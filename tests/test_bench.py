@@ -1,7 +1,9 @@
 """`moeswap bench` end to end on a tiny Mixtral-layout Q8_0 model at smoke size: every scenario
 runs in worker processes, each run either finishes with its figures or records its failure
 (one is injected: `--windows 0` names a policy the store refuses), and the JSON, markdown and
-PNG plots are written. The llama.cpp side runs where llama-cpp-python is installed."""
+PNG plots are written. A run charges its store and prefills as `moeswap run` (prompts one after
+another) and `moeswap serve` (a batch) do. The llama.cpp side runs where llama-cpp-python is
+installed."""
 
 from __future__ import annotations
 
@@ -77,6 +79,59 @@ def test_every_scenario_finishes_or_records_its_failure(tiny_gguf, tmp_path):
     assert "| moeswap window:0, host 2 experts/layer |" in markdown and "FAILED (error)" in markdown
     for name in ("tokens-vs-budget", "memory-long", "memory-batch8", "memory-resident-sweep"):
         assert (tmp_path / f"bench-{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-after-another", "batch"])
+def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, batched):
+    """The store is charged the KV caches and working memory of a ``prefill_chunk``-token
+    step -- one sequence as `moeswap run` charges it, or the batch as `moeswap serve` does --
+    and no forward feeds a sequence more than ``prefill_chunk`` tokens."""
+    import moeswap
+    from moeswap.bench import moeswap_runner
+    from moeswap.bench.scenarios import RunSpec
+    from moeswap.cli import offload_args
+    from moeswap.experts.options import forward_working_bytes
+    from moeswap.formats.config import config_from_gguf
+    from moeswap.formats.gguf_file import GGUFFile
+
+    charged, fed = [], []
+
+    def capture(args, *positional, **charge):
+        charged.append((positional, charge))
+        return None  # all resident: the charge is what is checked
+
+    def counting_load(*args, **kwargs):
+        runtime = load(*args, **kwargs)
+        forward = runtime.model.forward
+
+        def counted(tokens, caches):
+            fed.append([int(t.numel()) for t in tokens])
+            return forward(tokens, caches)
+
+        monkeypatch.setattr(runtime.model, "forward", counted)
+        return runtime
+
+    load = moeswap.load
+    monkeypatch.setattr(offload_args, "store_factory", capture)
+    monkeypatch.setattr(moeswap, "load", counting_load)
+    prompts = [list(range(3, 23)), list(range(5, 15)), list(range(4, 10))][:3 if batched else 1]
+    n_ctx, chunk = 20 + GEN, 8
+    spec = RunSpec("batch8" if batched else "conflict", "test", "moeswap", str(tiny_gguf), 1,
+                   prompts, GEN, n_ctx, batched=batched, offload={"host_mem": "1GiB"},
+                   prefill_chunk=chunk)
+    result = moeswap_runner.run(spec)
+    assert [len(tokens) for tokens in result["outputs"]] == [GEN] * len(prompts)
+
+    gguf = GGUFFile.open(tiny_gguf)
+    config = config_from_gguf(gguf)
+    gguf.close()
+    working = forward_working_bytes(config, chunk, n_ctx)  # a chunk's, at the whole context
+    sequences = dict(sequences=3) if batched else {}
+    assert charged == [((), dict(context_tokens=n_ctx, step_tokens=chunk, working_bytes=working,
+                                 **sequences))]
+    assert max(max(step) for step in fed) == chunk and max(sum(step) for step in fed) <= chunk
+    if not batched:  # warm-up: 16 tokens in two chunks and a step; then 20 in three
+        assert fed == [[8], [8], [1], [8], [8], [4]] + [[1]] * (GEN - 1)
 
 
 def test_bad_scenario_is_one_line_error(tiny_gguf, tmp_path, capsys):

@@ -1,5 +1,8 @@
 """A run of moeswap inside a worker: load with the run's offload flags, time the scenario,
-read the expert store's counters."""
+read the expert store's counters. The store is charged and prompts are prefilled as the command
+the run stands for does (moeswap.bench.scenarios.store_charge): ``prefill_chunk`` tokens per
+forward, `moeswap run`'s ``prefill`` for prompts one after another, the server's scheduler for
+a batch."""
 
 from __future__ import annotations
 
@@ -10,22 +13,23 @@ from types import SimpleNamespace
 import torch
 
 from moeswap.bench.memory import MemoryTrace
-from moeswap.bench.scenarios import RunSpec
+from moeswap.bench.scenarios import RunSpec, batch_options, store_charge
 from moeswap.bench.timing import figures, run_sequential, warm_up
 from moeswap.errors import MoeswapError
+from moeswap.generate import prefill
 
 
 class MoeswapSession:
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, step_tokens: int):
+        self.model, self.step_tokens = model, step_tokens
         self.cache = None
 
     def reset(self) -> None:
         self.cache = self.model.new_cache()
 
     def feed(self, ids: list[int]) -> int:
-        logits = self.model.forward([torch.tensor(ids, dtype=torch.long)], [self.cache])[0]  # [T, V]
-        return int(torch.argmax(logits[-1]))
+        logits = prefill(self.model, [ids], [self.cache], self.step_tokens)[0]  # [V]
+        return int(torch.argmax(logits))
 
 
 def run(spec: RunSpec) -> dict:
@@ -35,9 +39,9 @@ def run(spec: RunSpec) -> dict:
     memory = MemoryTrace()
     memory.sample("start")
     experts = None
-    if spec.offload is not None:  # every sequence's KV cache is charged to the host budget
+    if spec.offload is not None:
         flags = SimpleNamespace(threads=spec.threads, **spec.offload)
-        experts = store_factory(flags, spec.n_ctx * len(spec.prompts))
+        experts = store_factory(flags, **store_charge(spec))
     began = time.perf_counter()
     runtime = moeswap.load(spec.model, threads=spec.threads, expert_runner=experts,
                            replay_routing=spec.replay_routing)
@@ -45,7 +49,7 @@ def run(spec: RunSpec) -> dict:
     if experts is not None:
         memory.stats = runtime.stats
     memory.sample("load")
-    session = MoeswapSession(runtime.model)
+    session = MoeswapSession(runtime.model, spec.prefill_chunk)
     warm_up(session, spec)
     memory.sample("warm-up")
     before = runtime.stats()
@@ -74,10 +78,10 @@ def run_batched(model, spec: RunSpec, memory: MemoryTrace) -> dict:
     memory sample per batch step. Prompt time: until every request has its first token;
     decode time: from then to the last token."""
     from moeswap.sampling import GREEDY, Sampler
-    from moeswap.server.batching import BatchOptions, BatchScheduler
+    from moeswap.server.batching import BatchScheduler
 
     n = len(spec.prompts)
-    scheduler = BatchScheduler(model, BatchOptions(max_batch=n, queue_size=n, ctx=spec.n_ctx))
+    scheduler = BatchScheduler(model, batch_options(spec))
     arrivals: list[list[float]] = [[] for _ in range(n)]
     outputs: list[list[int]] = [[] for _ in range(n)]
     errors: list[str] = []

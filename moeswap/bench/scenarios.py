@@ -12,6 +12,10 @@ Scenarios (inputs shipped in the package, ``moeswap/bench/inputs/``):
   MoE layer (capped at the model's expert count).
 
 Every run is a ``RunSpec``, a plain record a worker process executes (moeswap.bench.worker).
+A moeswap run with an expert store charges its host budget what the command it stands for
+charges (``store_charge``): prompts run one after another as `moeswap run` charges its one
+sequence, the batch8 run (the server's scheduler) as `moeswap serve` charges a batch, both fed
+``prefill_chunk`` tokens per forward (their ``--step-tokens``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from moeswap.errors import MoeswapError
 
@@ -94,11 +99,9 @@ class ModelFacts:
     moe_layers: int
     slot_bytes: int
     shared_bytes: int
-    kv_bytes_per_token: int
 
     @classmethod
     def of(cls, path: str) -> "ModelFacts":
-        from moeswap.experts.options import kv_bytes_per_token
         from moeswap.experts.store import shared_bytes
         from moeswap.experts.tiers import slot_bytes
         from moeswap.formats.config import config_from_gguf
@@ -113,13 +116,60 @@ class ModelFacts:
         layouts = [ExpertLayout.from_file(gguf, i) for i in config.moe_layers]
         return cls(str(path), Path(path).stat().st_size, config.n_expert, config.n_expert_used,
                    len(config.moe_layers), slot_bytes(layouts),
-                   shared_bytes(gguf, config.moe_layers), kv_bytes_per_token(config))
+                   shared_bytes(gguf, config.moe_layers))
 
-    def budget(self, experts_per_layer: int, context_tokens: int) -> int:
+    def budget(self, experts_per_layer: int, charged: int) -> int:
         """The host budget that leaves room for ``experts_per_layer`` experts in every MoE layer
-        beside the shared weights, the KV cache and the store's staging slots (one per pick)."""
-        fixed = self.shared_bytes + self.kv_bytes_per_token * context_tokens
+        beside the shared weights, ``charged`` (a run's KV caches and step, charged_bytes) and
+        the store's staging slots (one per pick)."""
+        fixed = self.shared_bytes + charged
         return fixed + (self.n_used + experts_per_layer * self.moe_layers) * self.slot_bytes
+
+
+def batch_options(spec: RunSpec):
+    """The server scheduler's options for a batched run: every prompt at once, each in a
+    context of ``n_ctx``, ``prefill_chunk`` tokens per step."""
+    from moeswap.server.batching import BatchOptions
+
+    n = len(spec.prompts)
+    return BatchOptions(max_batch=n, queue_size=n, ctx=spec.n_ctx, step_tokens=spec.prefill_chunk)
+
+
+def store_charge(spec: RunSpec) -> dict[str, int]:
+    """store_factory's charge for ``spec`` run with an expert store: a batched run's as `moeswap
+    serve` charges its batch (moeswap.server.budget), otherwise as `moeswap run` charges one
+    sequence (one prompt's cache at a time) fed at most ``prefill_chunk`` tokens per forward."""
+    from moeswap.cli.offload_args import sequence_charge
+    from moeswap.server.budget import store_kv_options
+
+    if spec.batched:
+        return store_kv_options(model_config(spec.model), batch_options(spec))
+    step = min(spec.prefill_chunk, max(map(len, spec.prompts)))
+    # sequence_charge charges nothing without --host-mem; the charge asked for is a store's
+    return sequence_charge(SimpleNamespace(host_mem="given"), spec.model, spec.n_ctx, step)
+
+
+def charged_bytes(spec: RunSpec) -> int:
+    """Host bytes the store charges for ``store_charge(spec)`` besides weights and staging: the
+    KV caches and a step's working memory (as moeswap.experts.store.ExpertStore counts them)."""
+    from moeswap.experts.options import kv_cache_bytes
+
+    charge = store_charge(spec)
+    kv = kv_cache_bytes(model_config(spec.model), charge["context_tokens"],
+                        charge.get("sequences", 1), charge["step_tokens"])
+    return kv + charge["working_bytes"]
+
+
+def model_config(path: str):
+    """The model's ModelConfig, from the GGUF header."""
+    from moeswap.formats.config import config_from_gguf
+    from moeswap.formats.gguf_file import GGUFFile
+
+    gguf = GGUFFile.open(path)
+    try:
+        return config_from_gguf(gguf)
+    finally:
+        gguf.close()
 
 
 @dataclass(frozen=True)
@@ -163,19 +213,19 @@ def build_runs(plan: Plan, inputs: Inputs, encode, facts: ModelFacts) -> list[Ru
         base = RunSpec(scenario, "", "moeswap", plan.model, plan.threads, prompts,
                        s.gen_tokens, n_ctx, batched=scenario == "batch8",
                        replay_routing=plan.offload.get("replay_routing"))
-        runs += [r for r in scenario_runs(plan, base, facts, len(prompts) * n_ctx)
+        runs += [r for r in scenario_runs(plan, base, facts, charged_bytes(base))
                  if r.engine in plan.compare]
     return runs
 
 
-def scenario_runs(plan: Plan, base: RunSpec, facts: ModelFacts, context: int) -> list[RunSpec]:
-    """moeswap's runs and llama.cpp's beside them for one scenario. ``context``: KV positions
-    of all sequences, charged to the host budget."""
+def scenario_runs(plan: Plan, base: RunSpec, facts: ModelFacts, charged: int) -> list[RunSpec]:
+    """moeswap's runs and llama.cpp's beside them for one scenario. ``charged``: what a store
+    charges the host budget for the scenario's KV caches and step (charged_bytes)."""
     from moeswap.experts.options import parse_size
 
     policy, given = plan.offload["policy"], plan.offload["host_mem"]
     quarter = max(facts.n_expert // 4, 1)  # without --host-mem: a quarter of each layer's experts
-    budget = parse_size(given) if given else facts.budget(quarter, context)
+    budget = parse_size(given) if given else facts.budget(quarter, charged)
     budget_text = given or f"{quarter} experts/layer"
 
     replayed = " (replayed)" if base.replay_routing else ""  # labelled in every table
@@ -198,6 +248,6 @@ def scenario_runs(plan: Plan, base: RunSpec, facts: ModelFacts, context: int) ->
         return [offload(f"moeswap window:{n}, host {budget_text}", budget, window=n,
                         flags={"policy": f"window:{n}"}) for n in plan.windows] + [llama_full]
     counts = sorted({min(n, facts.n_expert) for n in plan.resident})
-    return [offload(f"moeswap {policy}, {n} resident/layer", facts.budget(n, context),
+    return [offload(f"moeswap {policy}, {n} resident/layer", facts.budget(n, charged),
                     resident_per_layer=n) for n in counts
             ] + [resident, llama_full]
