@@ -27,13 +27,13 @@ have been had the trace been the measured text itself (a reading, never an input
 measures this machine's rates and fixed costs again (``moeswap probe``, the runs' thread count)
 before anything is timed: the plan is calibrated from the probe only.
 
-For each host budget (shared weights + KV cache + staging + a share of the expert slots), the
-plan's prediction is computed from the file's header, the model file is dropped from the page
-cache, and the run is a fresh ``moeswap run`` subprocess with cold reads (``--cold-reads``: the
-disk tier is the disk), greedy, one thread; ``--repeats`` runs, the fastest counting (the least
-disturbed by other work on the machine; all are printed, with the load average before). A row
-passes when the prediction is within +-25 % of the measurement. A benchmark for a quiet
-machine, not a test. Prints a markdown table.
+For each host budget (shared weights + KV cache + a step's working memory + staging + a share
+of the expert slots), the plan's prediction is computed from the file's header, the model file
+is dropped from the page cache, and the run is a fresh ``moeswap run`` subprocess with cold
+reads (``--cold-reads``: the disk tier is the disk), greedy, one thread; ``--repeats`` runs,
+the fastest counting (the least disturbed by other work on the machine; all are printed, with
+the load average before). A row passes when the prediction is within +-25 % of the measurement.
+A benchmark for a quiet machine, not a test. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -56,6 +56,10 @@ PROMPT = "def parse_args(argv):\n    "
 PLAN_PROMPTS = [text for text in json.loads((ROOT / "moeswap" / "bench" / "inputs" / "batch8_prompts.json").read_text())
                 ["prompts"] if not text.startswith(PROMPT.split("(")[0])]
 TOLERANCE = 0.25
+PROMPT_TOKENS = len(PROMPT.encode()) + 1  # what `moeswap run` charges for: a token per byte, BOS
+# the runs' --step-tokens, which the plan is given too: the prompt in one forward (what run's
+# default, 512, comes to for this prompt); plan and run then charge the same KV and step
+STEP_TOKENS = PROMPT_TOKENS
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ def measured_decode(case: Case, host_bytes: int, threads: int) -> tuple[list[flo
         drop_from_page_cache(case.model)
         done = moeswap("run", str(case.model), "-p", PROMPT, "-n", str(case.n_predict), "--temp",
                        "0", "--threads", str(threads), "--host-mem", str(host_bytes),
-                       "--cold-reads", "--prefetch", "off", *replay)
+                       "--step-tokens", str(STEP_TOKENS), "--cold-reads", "--prefetch", "off",
+                       *replay)
         speeds.append(float(re.search(r"decode: \d+ tokens, ([\d.]+) tokens/s",
                                       done.stderr).group(1)))
     stats = next((line for line in done.stderr.splitlines() if line.startswith("experts:")), "")
@@ -170,12 +175,12 @@ def budgets(case: Case, shares: list[float], threads: int) -> list[tuple[float, 
     from moeswap.planner.placement import Budget
     from moeswap.planner.rates import plan_rates
 
-    context = len(PROMPT.encode()) + 1 + case.n_predict  # what `moeswap run` charges the store
+    context = PROMPT_TOKENS + case.n_predict  # what `moeswap run` charges the store
     rates = plan_rates({}, threads=str(threads))
-    floor = plan_model(case.model, Budget(0, 1 << 50, context), rates).moeswap
+    floor = plan_model(case.model, Budget(0, 1 << 50, context, 1, STEP_TOKENS), rates).moeswap
     hosts = [(share, floor.host_charged + int(share * floor.all_experts) * floor.sizes.slot_bytes)
              for share in shares]
-    return [(share, host, plan_model(case.model, Budget(0, host, context), rates,
+    return [(share, host, plan_model(case.model, Budget(0, host, context, 1, STEP_TOKENS), rates,
                                      str(case.plan_trace)).moeswap) for share, host in hosts]
 
 
