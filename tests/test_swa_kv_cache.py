@@ -5,8 +5,9 @@ crossed many times) with moeswap's trimming KVCache and with a cache that keeps 
 (``FullHistory`` below: ``attend`` over the whole key history, as before trimming). Logits must
 agree within 1e-5 relative and in every argmax, for one-chunk prefill, token-by-token decode,
 chunks longer and shorter than the window, and a batch of two sequences of different lengths.
-The sliding layers' buffers stay at window - 1 + the largest step's tokens, and
-``kv_cache_bytes`` charges exactly what the cache holds (store, planner, server); the planner's
+A cache told the charged context and step sizes every layer's buffer to exactly what
+``kv_cache_bytes`` charges (store, planner, server) and never grows past it; a step that fails
+in a layer after others appended and is run again gives the reference logits; the planner's
 llama.cpp KV counts the sliding cells llama.cpp allocates (window + micro-batch, padded).
 """
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import tiny_models
-from moeswap.experts.options import kv_bytes_per_token, kv_cache_bytes
+from moeswap.experts.options import held_positions, kv_bytes_per_token, kv_cache_bytes
 from moeswap.formats.config import ModelConfig
 from moeswap.models import KVCache, load_model
 
@@ -83,23 +84,33 @@ SCHEDULES = {
 }
 
 
+def buffer_slots(cache: KVCache, layer: int) -> int:
+    """Positions layer's key buffer has room for (read from the buffer itself)."""
+    return cache._layers[layer].keys.shape[0]
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_trimmed_cache_gives_the_full_history_logits(family, schedule):
     _, _, model = family
     chunks = SCHEDULES[schedule]
     reference = run_chunks(model, FullHistory(), chunks)
-    cache = model.new_cache()
+    c = model.config
+    cache = KVCache(c.layer_windows, N_TOKENS, max(chunks))
     assert_same(run_chunks(model, cache, chunks), reference)
     assert cache.length == N_TOKENS
-    c = model.config
-    for layer, swa in enumerate(c.swa_layers):  # every layer kept only what a step needs
-        assert cache.capacity(layer) <= (WINDOW - 1 + max(chunks) if swa else 2 * N_TOKENS)
+    for layer, window in enumerate(c.layer_windows):  # sized once, to the charge
+        assert buffer_slots(cache, layer) == held_positions(window, N_TOKENS, max(chunks))
+    held = sum(s.keys.numel() + s.values.numel() for s in cache._layers)
+    assert 4 * held == kv_cache_bytes(c, N_TOKENS, 1, max(chunks))
+    assert_same(run_chunks(model, model.new_cache(), chunks), reference)  # no budget: grows
 
 
-def test_trimmed_cache_matches_transformers_past_the_window(family):
+@pytest.mark.parametrize("chunks", [[1] * N_TOKENS, SCHEDULES["chunks longer and shorter than "
+                                                              "the window"]])
+def test_trimmed_cache_matches_transformers_past_the_window(family, chunks):
     _, reference, model = family
     expected = tiny_models.reference_logits(reference, TOKENS.tolist())
-    assert relative_error(run_chunks(model, model.new_cache(), [1] * N_TOKENS), expected) <= 1e-4
+    assert relative_error(run_chunks(model, model.new_cache(), chunks), expected) <= 1e-4
 
 
 def test_batch_of_two_sequences_of_different_lengths(family):
@@ -124,24 +135,70 @@ def test_batch_of_two_sequences_of_different_lengths(family):
         assert_same(torch.cat(got[i]), torch.cat(want[i]))
 
 
-def test_sliding_buffers_stay_bounded_and_the_charge_is_exact(family):
-    """Decoding 4 windows token by token: a sliding layer's buffer is window - 1 + 1 slots;
-    after a 12-token prefill it is window - 1 + 12 for good, never the context."""
+def test_buffers_never_pass_the_charge(family):
+    """The model sized by its budget (context 40, steps of up to 12): token-by-token decode
+    after a 12-token prefill; every layer's buffer is what kv_cache_bytes charges, from the
+    first append on (no growth, so never an old and a new buffer at once); the written
+    slots end at the charge too."""
     _, _, model = family
     c = model.config
-    cache = model.new_cache()
-    run_chunks(model, cache, [1] * N_TOKENS)
-    for layer, swa in enumerate(c.swa_layers):
-        assert cache.capacity(layer) == WINDOW if swa else cache.capacity(layer) >= N_TOKENS
-    assert 4 * cache.n_floats() == kv_cache_bytes(c, N_TOKENS, step_tokens=1)
-    assert kv_cache_bytes(c, N_TOKENS, step_tokens=1) < kv_bytes_per_token(c) * N_TOKENS
-
-    cache = model.new_cache()
-    run_chunks(model, cache, [12] + [1] * (N_TOKENS - 12))
-    for layer, swa in enumerate(c.swa_layers):
-        if swa:
-            assert cache.capacity(layer) == WINDOW - 1 + 12
+    model.context, model.step_tokens = N_TOKENS, 12
+    try:
+        cache = model.new_cache()
+        run_chunks_from(model, cache, 0, [12])
+        first = [cache._layers[layer].keys for layer in range(c.n_layer)]
+        run_chunks_from(model, cache, 12, [1] * (N_TOKENS - 12))
+    finally:
+        model.context, model.step_tokens = 0, 0
+    for layer, window in enumerate(c.layer_windows):
+        assert cache._layers[layer].keys is first[layer]
+        assert buffer_slots(cache, layer) == held_positions(window, N_TOKENS, 12)
     assert 4 * cache.n_floats() == kv_cache_bytes(c, N_TOKENS, step_tokens=12)
+    assert kv_cache_bytes(c, N_TOKENS, step_tokens=12) < kv_bytes_per_token(c) * N_TOKENS
+
+
+def run_chunks_from(model, cache, at: int, chunks: list[int]) -> list[torch.Tensor]:
+    out = []
+    for n in chunks:
+        out.append(model.forward([TOKENS[at:at + n]], [cache])[0])
+        at += n
+    return out
+
+
+class FailOnce:
+    """Layer 1 as it runs, but the first call raises after the layer appended its keys."""
+
+    def __init__(self, layer):
+        self.layer, self.failed = layer, False
+
+    def __call__(self, x, batch):
+        out = self.layer(x, batch)
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of memory (simulated)")
+        return out
+
+
+def test_a_step_failing_in_layer_1_and_run_again_gives_the_reference(family):
+    """Layers 0 and 1 appended the failed step's keys, the others did not, the cache did not
+    advance; the same step run again (it crosses the window and wraps the ring) and the rest
+    give the full-history logits."""
+    _, _, model = family
+    chunks = SCHEDULES["chunks longer and shorter than the window"]
+    reference = run_chunks(model, FullHistory(), chunks)
+    cache = KVCache(model.config.layer_windows, N_TOKENS, max(chunks))
+    got = run_chunks_from(model, cache, 0, chunks[:3])
+    at = sum(chunks[:3])
+    layer_1 = model.layers[1]
+    model.layers[1] = FailOnce(layer_1)
+    try:
+        with pytest.raises(RuntimeError, match="simulated"):
+            model.forward([TOKENS[at:at + chunks[3]]], [cache])
+        assert cache.length == at
+        got += run_chunks_from(model, cache, at, chunks[3:])
+    finally:
+        model.layers[1] = layer_1
+    assert_same(torch.cat(got), reference)
 
 
 def test_a_step_run_again_after_a_failure_rewrites_its_slots():
@@ -153,8 +210,9 @@ def test_a_step_run_again_after_a_failure_rewrites_its_slots():
         cache.advance(1)
     cache.append(0, torch.full((4, 1, 1), -1.0), torch.zeros(4, 1, 1))  # fails before advance
     keys, _, positions = cache.append(0, torch.full((1, 1, 1), 6.0), torch.zeros(1, 1, 1))
-    seen = {int(p): float(k) for k, p in zip(keys.flatten(), positions) if 6 - 3 < p <= 6}
-    assert seen == {4: 4.0, 5: 5.0, 6: 6.0}
+    seen = sorted((int(p), float(k)) for k, p in zip(keys.flatten(), positions)
+                  if 6 - 3 < p <= 6)
+    assert seen == [(4, 4.0), (5, 5.0), (6, 6.0)]  # each visible position once
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -213,6 +271,24 @@ def test_the_store_charges_the_trimmed_cache_and_a_steps_working_memory(tmp_path
     assert model_sizes(gguf).store_kv_bytes(1000, 3, 16) == store.kv_bytes  # the planner agrees
 
 
+def test_a_model_loaded_with_the_store_sizes_its_caches_to_the_charge(tmp_path):
+    """GPT-OSS tiny through load_model with the store charged for 50 positions fed 8 at a
+    time: a new cache's buffers are the charged ones (full layer 50, sliding 4 + 8)."""
+    from moeswap.experts.store import ExpertStore, StoreOptions
+    from moeswap.gguf_tools.convert import convert
+
+    tiny_models.save("gpt_oss", tmp_path / "hf", sliding_window=WINDOW)
+    path = convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0")
+    store = ExpertStore.factory(StoreOptions(host_bytes=2**30, context_tokens=50, step_tokens=8))
+    model = load_model(path, expert_runner=store)
+    cache = model.new_cache()
+    model.forward([TOKENS[:3]], [cache])
+    assert [buffer_slots(cache, layer) for layer in range(3)] == [WINDOW - 1 + 8, 50,
+                                                                 WINDOW - 1 + 8]
+    assert store.store.kv_bytes == 4 * sum(s.keys.numel() + s.values.numel()
+                                           for s in cache._layers)
+
+
 _KEEP_ALIVE: list = []  # llama.cpp keeps calling the log callback after the test
 
 
@@ -244,7 +320,7 @@ def test_llama_cpp_keeps_the_window_and_a_micro_batch(tmp_path):
     model = llama_cpp.llama_model_load_from_file(str(path).encode(),
                                                  llama_cpp.llama_model_default_params())
     assert model
-    full, swa = sizes.kv_floats()
+    full, swa = sizes.config.kv_floats_per_token_by_kind
     for n_ctx, n_seq in [(4096, 1), (8192, 2)]:
         params = llama_cpp.llama_context_default_params()
         params.n_ctx, params.n_seq_max = n_ctx, n_seq

@@ -35,23 +35,37 @@ def kv_bytes_per_token(config: ModelConfig) -> int:
     return 4 * config.kv_floats_per_token
 
 
+def held_positions(window: int, context: int, step_tokens: int = 0) -> int:
+    """Positions one layer's cache holds for a sequence of up to ``context`` positions fed at
+    most ``step_tokens`` per forward (0: a whole context): every one on a full-attention layer
+    (window 0), at most window - 1 + a step's on a sliding-window one (moeswap.models.blocks
+    .KVCache sizes its buffers to this)."""
+    return min(context, window - 1 + (step_tokens or context)) if window else context
+
+
 def kv_cache_bytes(config: ModelConfig, context: int, sequences: int = 1,
                    step_tokens: int = 0) -> int:
     """Bytes of float32 keys and values the caches of ``sequences`` sequences of up to
     ``context`` positions hold, fed at most ``step_tokens`` tokens per forward (0: a whole
-    context in one forward). Full-attention layers keep every position; a sliding-window
-    layer keeps at most window - 1 + step_tokens (moeswap.models.blocks.KVCache)."""
+    context in one forward): each layer's ``held_positions``."""
     full, swa = config.kv_floats_per_token_by_kind
-    step = step_tokens or context
-    held_swa = min(context, config.sliding_window - 1 + step) if swa else 0
+    held_swa = held_positions(config.sliding_window, context, step_tokens) if swa else 0
     return 4 * sequences * (full * context + swa * held_swa)
 
 
-def forward_working_bytes(config: ModelConfig, tokens: int, context: int) -> int:
-    """Bytes a forward of ``tokens`` fed tokens holds besides weights and caches, each token
-    attending over up to ``context`` positions (float32, per fed token): its logits and their
-    sampled copy 2V (the engine computes logits for every position), one layer's attention
-    scores and softmax 2HC, and activations about 16D (residual, norms, q/k/v/o, router,
-    expert inputs and outputs). V vocabulary, H query heads, C context, D model width."""
-    per_token = 4 * (2 * config.n_vocab + 2 * config.n_head * context + 16 * config.n_embd)
-    return tokens * per_token
+def forward_working_bytes(config: ModelConfig, step_tokens: int, context: int,
+                          sequences: int = 1) -> int:
+    """Bytes a forward holds besides weights and caches when it feeds at most ``step_tokens``
+    tokens (0: a whole context) of ``sequences`` sequences, no more than their whole
+    contexts, each token attending over up to ``context`` positions. Per fed token, float32:
+    its logits and their sampled copy 2V (the engine computes logits for every position);
+    one layer's attention 2HC (``attend`` peaks at 1.1-1.5 x its [K, G, T, S] scores,
+    measured in tests/test_attention_memory.py); and the larger of the activations, about
+    16D (residual, norms, q/k/v/o, router), and the expert store's per-token buffers,
+    K(3F + D) (gate, up and their product per pick, each pick's output; moeswap.experts.store).
+    V vocabulary, H query heads, C context, D model width, K experts per token, F an
+    expert's FFN width. The planner and the server charge this same function."""
+    c = config
+    tokens = min(step_tokens or context, sequences * context)
+    activations = max(16 * c.n_embd, c.n_expert_used * (3 * c.n_ff_exp + c.n_embd))
+    return 4 * tokens * (2 * c.n_vocab + 2 * c.n_head * context + activations)

@@ -144,6 +144,12 @@ class ModelConfig:
         return self.n_expert > 0
 
     @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention): the one source of the attention
+        mask's window and the KV cache's ring (moeswap.models)."""
+        return tuple(self.sliding_window if swa else 0 for swa in self.swa_layers)
+
+    @property
     def kv_floats_per_token(self) -> int:
         """Numbers the KV cache holds per token over all layers: MLA caches one latent
         (kv_lora_rank + rope dims, no separate values); Gemma 4's layer types differ."""

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from moeswap.experts.options import held_positions
 from moeswap.formats.rope_scaling import Yarn
 
 
@@ -39,19 +40,26 @@ class KVCache:
     keeps a ring: a query at position p sees keys at p - window < k <= p, so once a step's
     new tokens are written only the last window - 1 positions can still be seen, and the
     ring needs min(length, window - 1) + T slots for a step of T new tokens. Slots are
-    reused in place (no copy per step); the ring grows only when a step needs more, so it
-    never holds more than window - 1 + the largest step's tokens
-    (moeswap.experts.options.kv_cache_bytes charges exactly that). Every slot carries its
-    absolute position, which ``attend`` masks with, so stale slots cost nothing but compute.
+    reused in place (no copy per step). Every slot carries its absolute position, which
+    ``attend`` masks with, so stale slots cost nothing but compute.
+
+    A cache told the budget's ``context`` (and ``step_tokens``) sizes each layer's buffer
+    once, at its first append, to exactly what moeswap.experts.options.kv_cache_bytes charges
+    (``held_positions``), and never grows while the sequence stays inside them. Without a
+    context a buffer doubles when a step needs more room (no budget to keep to).
 
     Each layer's entry shape is that of its first append, so layers may differ (MLA caches
     one latent per token: keys [S, 1, kv_lora + rope] and zero-width values).
     """
 
-    def __init__(self, windows: Sequence[int]):
-        """windows: per layer, its sliding window (0: full attention)."""
+    def __init__(self, windows: Sequence[int], context: int = 0, step_tokens: int = 0):
+        """windows: per layer, its sliding window (0: full attention); context: positions
+        the budget charges each layer for (0: none, grow as needed), fed at most
+        step_tokens per forward (0: a whole context)."""
         self.length = 0  # positions already processed
         self.windows = tuple(windows)
+        self.sizes = tuple(held_positions(w, context, step_tokens) if context else 0
+                           for w in self.windows)
         self._layers: list[_LayerSlots | None] = [None] * len(self.windows)
 
     def append(self, layer: int, k: torch.Tensor,
@@ -62,20 +70,16 @@ class KVCache:
         older = min(self.length, window - 1) if window else self.length  # still visible
         slots = self._layers[layer]
         if slots is None or slots.capacity < older + n_new:
-            old_capacity = 0 if slots is None else slots.capacity
-            capacity = max(2 * old_capacity, 16)
-            if window:
-                capacity = min(capacity, window - 1 + n_new)
-            slots = _LayerSlots(max(capacity, older + n_new), k, v, slots,
-                                self.length - older, self.length)
+            if self.sizes[layer]:  # the charged size; past it (a longer sequence) just enough
+                capacity = max(self.sizes[layer], older + n_new)
+            else:
+                capacity = max(2 * (0 if slots is None else slots.capacity), 16, older + n_new)
+                if window:
+                    capacity = min(capacity, window - 1 + n_new)
+            slots = _LayerSlots(capacity, k, v, slots, self.length - older, self.length)
             self._layers[layer] = slots
         slots.write(k, v, self.length)
         return slots.kept()
-
-    def capacity(self, layer: int) -> int:
-        """Positions layer's buffer has room for (0 before its first append)."""
-        slots = self._layers[layer]
-        return 0 if slots is None else slots.capacity
 
     def n_floats(self) -> int:
         """Numbers held in written slots, keys and values of every layer: each committed
@@ -100,8 +104,9 @@ class _LayerSlots:
         self.positions = torch.empty(capacity, dtype=torch.long)
         if old is not None and length > first_kept:
             at, n = old.slots(first_kept, length), length - first_kept  # oldest first
-            self.keys[:n], self.values[:n] = old.keys[at], old.values[at]
-            self.positions[:n] = old.positions[at]
+            self.keys[:n] = old.keys[at]  # [n, K, E]
+            self.values[:n] = old.values[at]  # [n, K, V]
+            self.positions[:n] = old.positions[at]  # [n]
             self.end = length
 
     def slots(self, first: int, end: int) -> slice | torch.Tensor:
@@ -241,26 +246,45 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
 
     A sink is one more logit per head in the softmax, with no value (GPT-OSS).
     """
-    n_new = q.shape[0]
+    n_new, n_keys = q.shape[0], keys.shape[0]
     group = s.n_head // s.n_head_kv
     qg = q.view(n_new, s.n_head_kv, group, s.head_dim).permute(1, 2, 0, 3)  # [K, G, T, E]
     kt = keys.permute(1, 2, 0)[:, None]  # [K, 1, E, S]
-    scores = (qg @ kt) * s.scale  # [K, G, T, S]
+    # One buffer holds the scores and then the probabilities, every step writing in place
+    # (inference: nothing keeps a graph); a sink is its rows' last number (S + 1 wide).
+    width = n_keys + (sinks is not None)
+    logits = q.new_empty((s.n_head_kv, group, n_new, width))  # [K, G, T, S (+ 1)]
+    rows = s.n_head * n_new
+    scores = logits.view(-1)[:rows * n_keys].view(s.n_head_kv, group, n_new, n_keys)  # packed
+    torch.matmul(qg, kt, out=scores)  # [K, G, T, S]
+    scores.mul_(s.scale)
     if s.softcap:
-        scores = torch.tanh(scores / s.softcap) * s.softcap
+        scores.div_(s.softcap).tanh_().mul_(s.softcap)
     q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]
     k_pos = k_pos[None, :]  # [1, S]
     visible = k_pos <= q_pos
     if s.window:
         visible &= q_pos - k_pos < s.window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores.masked_fill_(~visible, float("-inf"))
     if sinks is not None:
-        sink = sinks.view(s.n_head_kv, group, 1, 1).expand(-1, -1, n_new, 1)  # [K, G, T, 1]
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # [K, G, T, S]
-    else:
-        probs = torch.softmax(scores, dim=-1)  # [K, G, T, S]
+        _spread_rows(logits.view(-1), rows, n_keys)
+        logits[..., n_keys] = sinks.view(s.n_head_kv, group, 1)
+    torch.softmax(logits, dim=-1, out=logits)
+    probs = logits[..., :n_keys]  # [K, G, T, S]: a sink's share goes to no value
     out = probs @ values.permute(1, 0, 2)[:, None]  # [K, G, T, V]
     return out.permute(2, 0, 1, 3).reshape(n_new, s.n_head, values.shape[-1])  # [T, H, V]
+
+
+def _spread_rows(flat: torch.Tensor, rows: int, width: int) -> None:
+    """Move ``rows`` rows of ``width`` numbers packed at the start of ``flat`` apart to a
+    stride of width + 1, in place: last rows first, so no row is overwritten before it
+    moves, in 16 blocks, each copied through a temporary of its size (1/16 of the rows)."""
+    block = -(-rows // 16)
+    for end in range(rows, 0, -block):
+        start = max(end - block, 0)
+        packed = flat[start * width:end * width].view(end - start, width)
+        spread = flat[start * (width + 1):end * (width + 1)].view(end - start, width + 1)
+        spread[:, :width] = packed.clone()  # the two may overlap
 
 
 @dataclass

@@ -49,11 +49,14 @@ class CausalLM:
         self.output_norm = output_norm  # [D]
         self.output = output  # [N, D] -> [N, V]; over the embedding table when tied
         self.recorder = recorder  # told the batch layout; the MoE blocks hand it their decisions
+        # What the host budget charges each sequence's cache for (the expert store's
+        # context_tokens and step_tokens; 0: no budget): new caches are sized to it.
+        self.context, self.step_tokens = 0, 0
 
     def new_cache(self) -> KVCache:
-        """An empty cache whose sliding-window layers keep only what they can still see."""
-        c = self.config
-        return KVCache([c.sliding_window if swa else 0 for swa in c.swa_layers])
+        """An empty cache whose sliding-window layers keep only what they can still see,
+        its buffers sized to the charged context (moeswap.models.blocks.KVCache)."""
+        return KVCache(self.config.layer_windows, self.context, self.step_tokens)
 
     @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> list[torch.Tensor]:
@@ -103,7 +106,7 @@ def attention_weights(weights: Any, layer: int) -> AttentionWeights:
 def attention_spec(config: ModelConfig, layer: int) -> AttentionSpec:
     c = config
     return AttentionSpec(c.n_head, c.n_head_kv, c.head_dim, c.attention_scale, c.rms_eps,
-                         window=c.sliding_window if c.swa_layers[layer] else 0,
+                         window=c.layer_windows[layer],
                          softcap=c.attn_logit_softcap)
 
 

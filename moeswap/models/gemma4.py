@@ -115,7 +115,8 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
     for i in range(c.n_layer):
         p = f"blk.{i}."
         sliding = c.swa_layers[i]
-        spec = (AttentionSpec(c.n_head, c.n_head_kv_swa, c.head_dim_swa, 1.0, c.rms_eps, c.sliding_window)
+        spec = (AttentionSpec(c.n_head, c.n_head_kv_swa, c.head_dim_swa, 1.0, c.rms_eps,
+                              c.layer_windows[i])
                 if sliding else AttentionSpec(c.n_head, c.n_head_kv, c.head_dim, 1.0, c.rms_eps))
         attention = Gemma4Attention(i, weights, spec, local_rope if sliding else global_rope)
         norm_names = ["attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"]

@@ -69,7 +69,13 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         experts = ResidentExperts.from_weights(bound, moe_layers, config.expert_act)
     if replay is not None:
         experts, recorder = replay.attach(config, str(path), experts, recorder)
-    return build(config, source, bound, experts, recorder)
+    model = build(config, source, bound, experts, recorder)
+    from moeswap.experts.factory import StoreFactory
+
+    if isinstance(expert_runner, StoreFactory):  # caches sized to what the budget charges
+        model.context = expert_runner.options.context_tokens
+        model.step_tokens = expert_runner.options.step_tokens
+    return model
 
 
 def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], None],
