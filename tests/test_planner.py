@@ -80,7 +80,8 @@ def test_mixtral_byte_counts_by_hand(mixtral_file):
     assert s.active_bytes_per_token == 118016 - 31 * 64 * 4 + 2 * 2 * expert
     assert s.input_bytes == 64 * 32 * 4 and s.output_bytes == 64 * 4 + 64 * 32 * 4
     assert s.slot_bytes == expert  # three 8 KiB pieces, already 32-byte aligned
-    assert s.kv_floats() == (2 * 2 * 2 * 16, 0)  # layers x (k, v) x kv heads x head size
+    # layers x (k, v) x kv heads x head size
+    assert s.config.kv_floats_per_token_by_kind == (2 * 2 * 2 * 16, 0)
     assert s.kv_bytes(100, 2) == 128 * 2 * 100
     assert s.store_kv_bytes(100) == 128 * 4 * 100
     assert s.shared_bits_per_weight == 32.0
@@ -89,7 +90,7 @@ def test_mixtral_byte_counts_by_hand(mixtral_file):
 def test_mla_cache_is_the_latent_and_matches_the_engine(converted):
     """DeepSeek-V2 tiny: 3 layers, kv_lora_rank 32 + 8 rope dims cached per layer."""
     s = sizes_of(converted["deepseek2"])
-    assert s.kv_floats() == (3 * (32 + 8), 0)
+    assert s.config.kv_floats_per_token_by_kind == (3 * (32 + 8), 0)
     assert s.kv_bytes(1000, 2) == 2 * 120 * 1000
     assert s.moe_layers == [1, 2]  # first_k_dense_replace=1
     import moeswap
@@ -97,14 +98,14 @@ def test_mla_cache_is_the_latent_and_matches_the_engine(converted):
     runtime = moeswap.load(converted["deepseek2"])
     cache = runtime.model.new_cache()
     runtime.model.forward([torch.arange(7)], [cache])
-    assert cache.n_floats() == 7 * sum(s.kv_floats())
+    assert cache.n_floats() == 7 * sum(s.config.kv_floats_per_token_by_kind)
 
 
 def test_sliding_layers_keep_the_window(converted):
     """Gemma 4 tiny: sliding layers 0, 2 (2 kv heads of 16), global 1, 3 (1 kv head of 32),
     window 4."""
     s = sizes_of(converted["gemma4"])
-    assert s.kv_floats() == (2 * 2 * 1 * 32, 2 * 2 * 2 * 16)
+    assert s.config.kv_floats_per_token_by_kind == (2 * 2 * 1 * 32, 2 * 2 * 2 * 16)
     assert s.kv_bytes(10, 2) == 2 * (128 * 10 + 128 * 4)
     assert s.kv_bytes(3, 2) == 2 * 256 * 3
     import moeswap
@@ -112,7 +113,7 @@ def test_sliding_layers_keep_the_window(converted):
     runtime = moeswap.load(converted["gemma4"])
     cache = runtime.model.new_cache()
     runtime.model.forward([torch.arange(4)], [cache])  # within the window: every position held
-    assert cache.n_floats() == 4 * sum(s.kv_floats())
+    assert cache.n_floats() == 4 * sum(s.config.kv_floats_per_token_by_kind)
 
 
 def test_fused_and_scaled_experts_counted(tmp_path):

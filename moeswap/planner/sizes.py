@@ -60,21 +60,19 @@ class ModelSizes:
         """Bytes of non-expert weights one token reads."""
         return self.active_bytes_per_token - self.top_k * sum(self.expert_bytes_by_layer.values())
 
-    def kv_floats(self) -> tuple[int, int]:
-        """(values per token on full-attention layers, on sliding-window layers)."""
-        return self.config.kv_floats_per_token_by_kind
-
     def kv_bytes(self, context: int, value_bytes: int, sequences: int = 1,
                  swa_cells: int = 0) -> int:
         """The cache for ``sequences`` of ``context`` positions; sliding layers keep
         ``swa_cells`` of them (0: the window)."""
-        full, swa = self.kv_floats()
+        full, swa = self.config.kv_floats_per_token_by_kind
         held = min(context, swa_cells or self.config.sliding_window or context)
         return sequences * value_bytes * (full * context + swa * held)
 
     def llama_cpp_swa_cells(self) -> int:
         """Cells llama.cpp's sliding-window cache keeps per sequence (llama_kv_cache_iswa
-        without --swa-full): the window and one micro-batch, padded to 256."""
+        without --swa-full): the window and one micro-batch, padded to 256. llama.cpp pads
+        first and caps at the full cache after, min(size_base, GGML_PAD(n_swa + n_ubatch,
+        n_pad)) (src/llama-kv-cache-iswa.cpp), as kv_bytes' min(context, cells) does."""
         window = self.config.sliding_window
         return -(-(window + LLAMA_CPP_UBATCH) // 256) * 256 if window else 0
 
@@ -87,9 +85,9 @@ class ModelSizes:
     def store_working_bytes(self, context: int, sequences: int = 1, step_tokens: int = 0) -> int:
         """What `moeswap run`, `chat` and `serve` charge the host budget for a forward's working
         memory: ``step_tokens`` fed tokens (0: a whole context), no more than ``sequences``
-        whole contexts, each attending over ``context`` positions."""
-        tokens = min(step_tokens or context, sequences * context)
-        return forward_working_bytes(self.config, tokens, context)
+        whole contexts, each attending over ``context`` positions: what the server's budget
+        charges too (both call forward_working_bytes)."""
+        return forward_working_bytes(self.config, step_tokens, context, sequences)
 
 
 def model_sizes(gf: GGUFFile) -> ModelSizes:

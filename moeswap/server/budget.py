@@ -18,7 +18,8 @@ from moeswap.server.batching import BatchOptions
 
 
 def step_working_bytes(config: ModelConfig, options: BatchOptions) -> int:
-    return forward_working_bytes(config, options.step_tokens, options.ctx)
+    """One step's working memory: --step-tokens fed tokens, at most the batch's contexts."""
+    return forward_working_bytes(config, options.step_tokens, options.ctx, options.max_batch)
 
 
 def charged_bytes(config: ModelConfig, options: BatchOptions) -> int:
