@@ -88,10 +88,11 @@ print(json.dumps((peak - before) / (K * G * T * S * 4)))
 @pytest.mark.parametrize("kind", ["plain", "sinks (GPT-OSS)", "softcap (Gemma 2)"])
 def test_the_charge_covers_attends_peak(kind):
     """forward_working_bytes charges 2 x H x C floats a token for attention: twice one
-    [K, G, T, S] tensor. The in-place attend peaks near 1.1-1.5 of it (out of place it was
-    2.1, 3.1 with sinks, 3.05 with softcap)."""
+    [K, G, T, S] tensor. The in-place attend peaks at 1.12-1.28 of it here (out of place it
+    was 1.9-2.1, 3.1 with sinks, 3.0 with softcap): under 1.6, so the charge covers it with
+    room for the measurement's noise."""
     with_sinks, softcap, _ = KINDS[kind]
     run = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(int(with_sinks)), str(softcap)],
                          capture_output=True, text=True, timeout=120, check=True)
     peak = json.loads(run.stdout.strip().splitlines()[-1])
-    assert peak <= 2.0
+    assert peak <= 1.6
