@@ -27,7 +27,8 @@ from moeswap.sampling import GREEDY, Sampler
 class Model(Protocol):
     def new_cache(self): ...
 
-    def forward(self, tokens: list[torch.Tensor], caches: list) -> list[torch.Tensor]: ...
+    def forward(self, tokens: list[torch.Tensor], caches: list,
+                last_only: bool = False) -> list[torch.Tensor]: ...
 
 
 @dataclass
@@ -77,7 +78,7 @@ def prefill(model: Model, prompts: Sequence[Sequence[int]], caches: list,
         fed = [i for i, p in enumerate(prompts) if len(p) > start]
         logits = model.forward(
             [torch.tensor(list(prompts[i][start:start + step_tokens]), dtype=torch.long)
-             for i in fed], [caches[i] for i in fed])
+             for i in fed], [caches[i] for i in fed], last_only=True)
         for i, rows in zip(fed, logits):
             last[i] = rows[-1].clone()
     return last
@@ -85,7 +86,8 @@ def prefill(model: Model, prompts: Sequence[Sequence[int]], caches: list,
 
 def decode_step(model: Model, last_tokens: Sequence[int], caches: list) -> list[torch.Tensor]:
     """One token per sequence in, each sequence's next-token logits [V] out."""
-    logits = model.forward([torch.tensor([t], dtype=torch.long) for t in last_tokens], caches)
+    logits = model.forward([torch.tensor([t], dtype=torch.long) for t in last_tokens], caches,
+                           last_only=True)
     return [row[-1] for row in logits]
 
 

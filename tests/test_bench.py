@@ -104,9 +104,9 @@ def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, 
         runtime = load(*args, **kwargs)
         forward = runtime.model.forward
 
-        def counted(tokens, caches):
+        def counted(tokens, caches, last_only=False):
             fed.append([int(t.numel()) for t in tokens])
-            return forward(tokens, caches)
+            return forward(tokens, caches, last_only)
 
         monkeypatch.setattr(runtime.model, "forward", counted)
         return runtime
@@ -125,8 +125,8 @@ def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, 
     gguf = GGUFFile.open(tiny_gguf)
     config = config_from_gguf(gguf)
     gguf.close()
-    working = forward_working_bytes(config, chunk, n_ctx)  # a chunk's, at the whole context
     sequences = dict(sequences=3) if batched else {}
+    working = forward_working_bytes(config, chunk, n_ctx, **sequences)  # a chunk's, whole context
     assert charged == [((), dict(context_tokens=n_ctx, step_tokens=chunk, working_bytes=working,
                                  **sequences))]
     assert max(max(step) for step in fed) == chunk and max(sum(step) for step in fed) <= chunk

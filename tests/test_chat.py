@@ -100,11 +100,11 @@ class FailingModel:
     def new_cache(self):
         return self.model.new_cache()
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         self.calls += 1
         if self.calls == self.fail_at:
             raise self.error
-        return self.model.forward(tokens, caches)
+        return self.model.forward(tokens, caches, last_only)
 
 
 class SeenLogits:

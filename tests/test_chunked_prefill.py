@@ -34,9 +34,9 @@ class CountingModel:
     def new_cache(self):
         return self.model.new_cache()
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         self.calls.append([int(t.numel()) for t in tokens])
-        return self.model.forward(tokens, caches)
+        return self.model.forward(tokens, caches, last_only)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -79,6 +79,25 @@ def test_chunks_of_7_give_the_logits_of_one_forward(runtime):
     assert (chunked - whole).abs().max() <= 1e-5 * whole.abs().max()
     assert chunked.argmax() == whole.argmax()
 
+
+
+def test_last_only_runs_the_head_on_each_sequences_last_position(runtime):
+    model = runtime.model
+    short, long = prompt_ids(1, 3), prompt_ids(2, 9)
+    full = model.forward([torch.tensor(short), torch.tensor(long)],
+                         [model.new_cache(), model.new_cache()])  # [3, V], [9, V]
+    rows_seen, head = [], model.output
+    model.output = lambda x: rows_seen.append(x.shape[0]) or head(x)
+    try:
+        last = model.forward([torch.tensor(short), torch.tensor(long)],
+                             [model.new_cache(), model.new_cache()], last_only=True)
+    finally:
+        model.output = head
+    assert rows_seen == [2]  # two rows through the head, not twelve
+    assert [tuple(rows.shape) for rows in last] == [(1, model.config.n_vocab)] * 2
+    for one, every in zip(last, full):  # the head on 1 row or on all: summation order only
+        assert (one[0] - every[-1]).abs().max() <= 1e-5 * every[-1].abs().max()
+        assert one[0].argmax() == every[-1].argmax()
 
 
 def test_the_kept_rows_are_copies_not_views_of_a_chunks_logits(runtime):
@@ -174,7 +193,8 @@ def test_run_charges_a_chunk_and_the_plan_counts_the_same(tiny_gguf, monkeypatch
     gguf.close()
     working = forward_working_bytes(config, 5, context)
     assert charged == dict(context_tokens=context, step_tokens=5, working_bytes=working)
-    assert working == 5 * 4 * (2 * 128 + 2 * 4 * context + 16 * 64)  # V 128, 4 heads, D 64
+    # one logits row (V 128); per fed token: 4 heads' scores, D 64 activations
+    assert working == 4 * (2 * 128 + 5 * (2 * 4 * context + 16 * 64))
 
     assert main(["plan", str(tiny_gguf), "--host-mem", "1GiB", "--ctx", str(context),
                  "--step-tokens", "5", "--json"]) == 0

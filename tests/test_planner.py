@@ -137,8 +137,9 @@ def test_placement_slots_and_uniform_hit_rate(mixtral_file):
     assert plan.resident_by_layer == {0: 2, 1: 2}
     assert plan.hits.device == pytest.approx(1 / 8) and plan.hits.total == pytest.approx(4 / 8)
     assert plan.disk_expert_bytes == 4 * s.one_expert_bytes
-    # a forward of 64 tokens: 4 bytes x (2 x 32 vocabulary + 2 x 4 heads x 64 + 16 x 64 width)
-    assert plan.working_bytes == 64 * 4 * (2 * 32 + 2 * 4 * 64 + 16 * 64)
+    # a forward of 64 tokens: 4 bytes x (2 x 4 heads x 64 + 16 x 64 width) per token, and one
+    # logits row of 2 x 32 vocabulary
+    assert plan.working_bytes == 4 * (64 * (2 * 4 * 64 + 16 * 64) + 2 * 32)
     assert plan.host_charged == 118016 + 512 * 64 + plan.working_bytes + 2 * 24576
 
 

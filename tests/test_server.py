@@ -72,10 +72,10 @@ class GatedModel:
     def new_cache(self):
         return self.model.new_cache()
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         self.gate.wait(timeout=30)
         self.batch_sizes.append(len(tokens))
-        return self.model.forward(tokens, caches)
+        return self.model.forward(tokens, caches, last_only)
 
 
 class GatedRuntime:
@@ -477,7 +477,7 @@ class CountingModel:
     def new_cache(self):
         return []
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         out = []
         for ids, cache in zip(tokens, caches):
             cache.extend(ids.tolist())
@@ -518,8 +518,8 @@ def test_random_bodies_never_get_a_5xx(fast_client, path, body, junk):
 
 
 class NaNModel(CountingModel):
-    def forward(self, tokens, caches):
-        return [torch.full_like(rows, float("nan")) for rows in super().forward(tokens, caches)]
+    def forward(self, tokens, caches, last_only=False):
+        return [torch.full_like(rows, float("nan")) for rows in super().forward(tokens, caches, last_only)]
 
 
 def test_a_failing_step_ends_its_request_and_the_server_goes_on(runtime):

@@ -75,9 +75,9 @@ class RecordingModel:
         self._caches.append(cache)
         return cache
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         self.batch_sizes.append(len(tokens))
-        logits = self.model.forward(tokens, caches)
+        logits = self.model.forward(tokens, caches, last_only)
         for fed, cache, rows in zip(tokens, caches, logits):
             prompt = self._prompts.setdefault(id(cache), tuple(fed.tolist()))
             self.rows.setdefault(prompt, []).append(rows[-1].clone())

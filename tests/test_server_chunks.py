@@ -25,10 +25,10 @@ class CountingModel:
     def new_cache(self):
         return self.model.new_cache()
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         self.go.wait(timeout=30)
         self.calls.append([int(t.numel()) for t in tokens])
-        return self.model.forward(tokens, caches)
+        return self.model.forward(tokens, caches, last_only)
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,11 @@ def test_a_batch_charges_its_contexts_and_a_steps_working_memory(tmp_path):
     # the tiny model: vocabulary 32, 4 query heads, width 64, 512 bytes of KV per position
     config = config_from_gguf(GGUFFile.open(write_model(tmp_path, TEMPLATE)))
     options = BatchOptions(max_batch=2, ctx=32, step_tokens=4)
-    # 4 bytes x (2 x 32 logits + 2 x 4 x 32 scores + 16 x 64 activations) per fed token
-    assert step_working_bytes(config, options) == 4 * 4 * (64 + 256 + 1024) == 21504
-    assert charged_bytes(config, options) == 2 * 32 * 512 + 21504 == 54272
+    # 4 bytes x (2 x 4 x 32 scores + 16 x 64 activations) per fed token, and 2 x 32 per logits
+    # row: one per sequence the step feeds (at most the batch's two)
+    assert step_working_bytes(config, options) == 4 * (4 * (256 + 1024) + 2 * 64) == 20992
+    assert charged_bytes(config, options) == 2 * 32 * 512 + 20992 == 53760
     odd = BatchOptions(max_batch=2, ctx=32, step_tokens=5)
-    assert charged_bytes(config, odd) == 64 * 512 + 26880
+    assert charged_bytes(config, odd) == 64 * 512 + 4 * (5 * 1280 + 2 * 64)
     assert store_kv_options(config, options) == dict(context_tokens=32, sequences=2,
-                                                     step_tokens=4, working_bytes=21504)
+                                                     step_tokens=4, working_bytes=20992)

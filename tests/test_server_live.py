@@ -83,9 +83,9 @@ def test_a_client_that_hangs_up_cancels_its_request(runtime, stream):
     slow.model.gate.set()
     forward = slow.model.forward
 
-    def slow_forward(tokens, caches):
+    def slow_forward(tokens, caches, last_only=False):
         time.sleep(0.03)  # 60 tokens take ~2 s: far longer than the client stays
-        return forward(tokens, caches)
+        return forward(tokens, caches, last_only)
 
     slow.model.forward = slow_forward
     with live_server(slow) as (url, app):

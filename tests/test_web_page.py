@@ -39,9 +39,9 @@ class SlowModel:
     def new_cache(self):
         return self.model.new_cache()
 
-    def forward(self, tokens, caches):
+    def forward(self, tokens, caches, last_only=False):
         time.sleep(STEP_SECONDS)
-        return self.model.forward(tokens, caches)
+        return self.model.forward(tokens, caches, last_only)
 
 
 class SlowRuntime:

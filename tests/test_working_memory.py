@@ -13,14 +13,17 @@ from moeswap.formats.config import ModelConfig
 
 def test_forward_working_bytes_by_hand():
     """V 32, H 4, D 64: 16D = 1024 floats of activations; 2 experts a token of width 256
-    hold K(3F + D) = 2 x 832 = 1664, more, so those are charged."""
+    hold K(3F + D) = 2 x 832 = 1664, more, so those are charged; one logits row 2V per
+    sequence in the step."""
     c = ModelConfig(arch="qwen3moe", n_vocab=32, n_embd=64, n_layer=2, n_head=4, n_head_kv=2,
                     n_ctx_train=256, rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=256)
-    per_token = 2 * 32 + 2 * 4 * 100 + 2 * (3 * 256 + 64)
-    assert forward_working_bytes(c, 16, 100) == 4 * 16 * per_token
-    assert forward_working_bytes(c, 0, 100) == 4 * 100 * per_token  # a whole context
-    assert forward_working_bytes(c, 512, 100) == 4 * 100 * per_token  # no more than it
-    assert forward_working_bytes(c, 512, 100, sequences=3) == 4 * 300 * per_token
+    per_token = 2 * 4 * 100 + 2 * (3 * 256 + 64)
+    logits_row = 2 * 32
+    assert forward_working_bytes(c, 16, 100) == 4 * (16 * per_token + logits_row)
+    assert forward_working_bytes(c, 0, 100) == 4 * (100 * per_token + logits_row)  # a context
+    assert forward_working_bytes(c, 512, 100) == 4 * (100 * per_token + logits_row)  # no more
+    assert forward_working_bytes(c, 512, 100, sequences=3) == 4 * (300 * per_token
+                                                                   + 3 * logits_row)
     narrow = ModelConfig(arch="qwen3moe", n_vocab=32, n_embd=64, n_layer=2, n_head=4,
                          n_head_kv=2, n_ctx_train=256, rms_eps=1e-6, n_expert=8,
                          n_expert_used=2, n_ff_exp=16)

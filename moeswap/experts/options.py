@@ -57,9 +57,10 @@ def forward_working_bytes(config: ModelConfig, step_tokens: int, context: int,
                           sequences: int = 1) -> int:
     """Bytes a forward holds besides weights and caches when it feeds at most ``step_tokens``
     tokens (0: a whole context) of ``sequences`` sequences, no more than their whole
-    contexts, each token attending over up to ``context`` positions. Per fed token, float32:
-    its logits and their sampled copy 2V (the engine computes logits for every position);
-    one layer's attention 2HC (``attend`` peaks at 1.1-1.5 x its [K, G, T, S] scores,
+    contexts, each token attending over up to ``context`` positions. Float32: per sequence in
+    the step, its last position's logits and their sampled copy 2V (generation asks the model
+    for those rows alone, ``forward(..., last_only=True)``); per fed token, one layer's
+    attention 2HC (``attend`` peaks at 1.1-1.5 x its [K, G, T, S] scores,
     measured in tests/test_attention_memory.py); and the larger of the activations, about
     16D (residual, norms, q/k/v/o, router), and the expert store's per-token buffers,
     K(3F + D) (gate, up and their product per pick, each pick's output; moeswap.experts.store).
@@ -68,4 +69,5 @@ def forward_working_bytes(config: ModelConfig, step_tokens: int, context: int,
     c = config
     tokens = min(step_tokens or context, sequences * context)
     activations = max(16 * c.n_embd, c.n_expert_used * (3 * c.n_ff_exp + c.n_embd))
-    return 4 * tokens * (2 * c.n_vocab + 2 * c.n_head * context + activations)
+    rows = min(tokens, sequences)  # logits rows: one per sequence fed in the step
+    return 4 * (tokens * (2 * c.n_head * context + activations) + rows * 2 * c.n_vocab)

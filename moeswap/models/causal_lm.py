@@ -59,8 +59,12 @@ class CausalLM:
         return KVCache(self.config.layer_windows, self.context, self.step_tokens)
 
     @torch.inference_mode()
-    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache]) -> list[torch.Tensor]:
-        """Per sequence: new token ids [T_i] -> float32 logits [T_i, V]; advances each cache."""
+    def forward(self, tokens: list[torch.Tensor], caches: list[KVCache],
+                last_only: bool = False) -> list[torch.Tensor]:
+        """Per sequence: new token ids [T_i] -> float32 logits [T_i, V]; advances each cache.
+        ``last_only``: the output head runs on each sequence's last position alone -> [1, V]
+        each, what generation samples from (llama.cpp too computes only those rows): a prompt
+        chunk of T tokens then holds no [T, V] logits and skips T - 1 rows of the head."""
         if len(tokens) != len(caches):
             raise ValueError(f"{len(tokens)} sequences but {len(caches)} caches")
         c = self.config
@@ -77,7 +81,10 @@ class CausalLM:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
         for layer in self.layers:
             x = layer(x, batch)
-        logits = self.output(rms_norm(x, self.output_norm, c.rms_eps))  # [N, V]
+        if last_only:
+            x = x[[end - 1 for end in ends]]  # [B, D]: each sequence's last position
+            spans = [(i, i + 1) for i in range(len(spans))]
+        logits = self.output(rms_norm(x, self.output_norm, c.rms_eps))  # [N or B, V]
         if c.logit_scale != 1.0:
             logits = logits / c.logit_scale
         if c.final_logit_softcap:

@@ -245,7 +245,7 @@ class BatchScheduler:
             with self._model_lock:
                 logits = self.model.forward(
                     [torch.tensor(r.ids[r.fed:r.fed + n], dtype=torch.long) for r, n in feeds],
-                    [r.cache for r in batch])
+                    [r.cache for r in batch], last_only=True)
         except Exception as e:  # a failed step ends its requests, never the server
             for request in batch:
                 self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
