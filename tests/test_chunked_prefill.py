@@ -94,6 +94,9 @@ def test_last_only_runs_the_head_on_each_sequences_last_position(runtime):
     finally:
         model.output = head
     assert rows_seen == [2]  # two rows through the head, not twelve
+    with pytest.raises(ValueError, match="at least one new token"):  # no last row to give
+        model.forward([torch.tensor(short), torch.tensor([], dtype=torch.long)],
+                      [model.new_cache(), model.new_cache()], last_only=True)
     assert [tuple(rows.shape) for rows in last] == [(1, model.config.n_vocab)] * 2
     for one, every in zip(last, full):  # the head on 1 row or on all: summation order only
         assert (one[0] - every[-1]).abs().max() <= 1e-5 * every[-1].abs().max()

@@ -100,6 +100,13 @@ def nmse(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.double() - b) ** 2).sum() / (b ** 2).sum())
 
 
+def test_prefetch_stays_off_with_low_bit_copies(mixtral_q8):
+    # a guess served at full precision would change which misses the approximation computes
+    store = direct_store(mixtral_q8, 16, miss_lowbit="q4_0", prefetch="gate", policy="admit:2")
+    assert store.prefetch is None and store.guess_slots == 0
+    assert store.policies["host"].capacity == 16
+
+
 def test_a_fired_expert_is_computed_from_its_low_bit_copy(mixtral_q8):
     store = direct_store(mixtral_q8, 0, miss_lowbit="q4_0")  # no host slots: every miss fires
     layer = plan(mixtral_q8)[3][0]

@@ -370,7 +370,8 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
             assert calls == layers[:2] and store.worker.waiting > 0
     assert calls == layers[:2]  # off: no prediction at all
     assert store.worker.waiting == 0 and store.prefetch._pending == {}
-    assert all(job.state in ("running", "done") for job in store.guesses.reads.values())  # the held one
+    # at most the read held at the gate is left, running (settled when its slot is next used)
+    assert [job.state for job in store.guesses.reads.values()] in ([], ["running"])
     gate.set()
     store.close()
 

@@ -33,7 +33,7 @@ def wide_mixtral(tmp_path_factory):
 
 # -- fixed guesses on a few host slots -------------------------------------------------------
 
-def _four_slot_store(path, guesses_at: dict, host_slots: int = 4):
+def _fixed_guess_store(path, guesses_at: dict, host_slots: int = 4):
     """``host_slots`` host slots (four: too few to reserve any for guesses), LRU; prefetch held
     on with the guesses ``guesses_at[layer]``."""
     gguf = GGUFFile.open(path)
@@ -62,7 +62,7 @@ def _step(store, resident, layer, experts):
 
 
 def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
-    store, resident, asked = _four_slot_store(deep_mixtral, {2: [(3, 6), (3, 7), (4, 5)]})
+    store, resident, asked = _fixed_guess_store(deep_mixtral, {2: [(3, 6), (3, 7), (4, 5)]})
     _step(store, resident, 0, [0, 1])  # the guesses for layer 0: none
     _step(store, resident, 1, [0, 1])  # four requested experts fill the four slots
     requested = {(0, 0), (0, 1), (1, 0), (1, 1)}
@@ -76,7 +76,7 @@ def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
 
 
 def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
-    store, resident, _ = _four_slot_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
+    store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
     _step(store, resident, 0, [0, 1])  # three guesses take three free slots; (0, 0) the fourth
     # (0, 1) needs a slot: the oldest guess gives its own, nothing requested is touched
     assert list(store.guesses.slots) == [(2, 6), (3, 7)]
@@ -92,7 +92,7 @@ def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
 
 
 def test_a_used_guess_is_promoted_like_a_request(deep_mixtral):
-    store, resident, _ = _four_slot_store(deep_mixtral, {0: [(1, 5)]})
+    store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(1, 5)]})
     _step(store, resident, 0, [0, 1])  # the guess takes a free slot; the requests two more
     assert list(store.guesses.slots) == [(1, 5)] and (1, 5) not in store.policies["host"]
     before = store.disk.stats.bytes
@@ -115,7 +115,7 @@ def test_reserved_slots_are_top_k_per_layer_ahead_at_most_an_eighth():
 
 def test_reserved_slots_take_guesses_when_requests_fill_the_policy(deep_mixtral):
     # 16 host slots, depth 2: two reserved for guesses, the LRU policy holds 14
-    store, resident, _ = _four_slot_store(deep_mixtral, guesses := {}, host_slots=16)
+    store, resident, _ = _fixed_guess_store(deep_mixtral, guesses := {}, host_slots=16)
     assert store.guess_slots == 2
     warm = [(layer, [0, 1]) for layer in range(5)] + [(0, [2, 3]), (1, [2, 3])]
     for layer, experts in warm:
@@ -149,7 +149,6 @@ def test_reserved_slots_take_guesses_when_requests_fill_the_policy(deep_mixtral)
     assert list(store.guesses.slots) == [(1, 1), (2, 0)] and not store.pools["host"].n_free
     assert store.held_bytes()["host"] <= store.budgets["host"]
     store.close()
-
 
 
 # -- the reserve while the throttle has prefetch off --------------------------------------------

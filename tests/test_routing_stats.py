@@ -68,6 +68,18 @@ def test_coactivation_and_next_layer_guess():
     assert 0 <= popular[0] <= conditional[0] <= 1
 
 
+def test_the_table_fits_80_columns_uncut():
+    from rich.console import Console
+
+    console = Console(width=80, record=True)
+    stats.render_stats(stats.trace_stats(hand_trace()), console)
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80
+    assert "…" not in text  # no header or cell cut short
+    for word in ("entropy", "top-10%", "any-of-2", "popular", "next MI", "(bits)"):
+        assert word in text
+
+
 def test_mutual_information_between_layers():
     independent = np.ones((1, 2, 2))  # every pair equally often
     determined = np.array([[[5, 0], [0, 5]]])  # expert at l fixes expert at l+1

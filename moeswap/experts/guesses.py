@@ -60,8 +60,9 @@ class HostGuesses:
         return self.worker.waiting + len(self._batch) >= self.prefetch.queue_bound
 
     def reserve(self, key: Key, layout: ExpertLayout, keep: set) -> bool:
-        """A slot for a new guess: a free one, else the oldest guess not in ``keep`` ->
-        whether it got one (its read then waits for ``submit``)."""
+        """A slot for a new guess: a free one, else the first to go not in ``keep`` (kept
+        experts, then unused reads) -> whether it got one (its read then waits for
+        ``submit``)."""
         if not self.pool.n_free:
             victim = self._first_to_go(keep)
             if victim is None:
@@ -139,15 +140,13 @@ class HostGuesses:
         self._forget(key)
 
     def pause(self) -> None:
-        """Prefetch turns off: reads not started are dropped with their slots; the rest land
-        and, their layers passed unused, stay as kept experts (counted wasted)."""
+        """Prefetch turns off: reads not started are dropped with their slots; a running one
+        is left to land (it is settled when its slot is next taken or freed)."""
         for job in self.worker.cancel_waiting():
             key = (job.layout.layer, job.expert)
             del self.reads[key]
             self._forget(key)
             self.prefetch.counts.cancelled += 1
-        self.settle_all()
-        self.collect(max((k[0] for k in self._unused), default=0), set())
 
     def settle_all(self) -> None:
         """Let every read in flight land (tests check the slots' bytes after it)."""

@@ -150,7 +150,10 @@ class ExpertStore:
         self.on_torch_device = options.device_backend != "ram"
         self.pools = {"device": self._device_pool(options.device_backend, device_slots),
                       "host": SlotPool("host", host_slots, self.slot_size)}
-        prefetching = options.prefetch != "off" and options.prefetch_depth > 0 and host_slots
+        # --miss-lowbit turns prefetch off: a guess or a kept victim is served at full
+        # precision where prefetch off would compute the miss from its low-bit copy
+        prefetching = (options.prefetch != "off" and options.prefetch_depth > 0 and host_slots
+                       and not options.miss_lowbit)
         # host slots only guesses take (moeswap.experts.guesses): the host policy has fewer
         self.guess_slots = (reserved_slots(host_slots, config.n_expert_used,
                                            options.prefetch_depth) if prefetching else 0)

@@ -69,6 +69,8 @@ class CausalLM:
             raise ValueError(f"{len(tokens)} sequences but {len(caches)} caches")
         c = self.config
         lengths = [int(t.numel()) for t in tokens]
+        if last_only and 0 in lengths:
+            raise ValueError("last_only needs at least one new token in every sequence")
         ends = torch.tensor(lengths).cumsum(0).tolist()
         spans = [(end - n, end) for end, n in zip(ends, lengths)]
         positions = torch.cat([torch.arange(cache.length, cache.length + n)
