@@ -15,8 +15,8 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.experts.device import TorchDeviceSlots
-from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, Prefetcher,
-                                      Throttle)
+from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, IdleLink,
+                                      Prefetcher, Throttle)
 from moeswap.experts.store import ExpertStore, StoreOptions
 from moeswap.experts.tiers import piece_offsets
 from moeswap.formats.config import config_from_gguf
@@ -349,6 +349,25 @@ def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
     assert t._times == {True: [], False: []}
     _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.5, 1.0)
     assert t.medians == (0.5, 1.0)  # the 100 s forwards counted nowhere
+
+
+def test_idle_link_budget_is_the_off_forwards_idle_time_at_the_read_rate():
+    clock = iter([0.0, 0.010, 0.020, 0.030, 0.040, 0.050])
+    link = IdleLink(clock=lambda: next(clock))
+    read = dict(read_bytes=100_000, read_seconds=0.001)  # 100 MB/s
+    link.forward(1, 0.000, on=False, **read)
+    assert link.per_forward is None and link.allows()  # nothing timed yet: unlimited
+    link.forward(1, 0.006, on=False, **read)  # 10 ms forward, 6 ms stalled: 4 ms idle
+    assert link.per_forward == pytest.approx(400_000)  # 4 ms at 100 MB/s
+    link.spend(300_000)
+    assert link.allows()
+    link.spend(200_000)  # the last read may overshoot; then nothing more this forward
+    assert not link.allows()
+    link.forward(4, 0.010, on=False, **read)  # a forward of another size: not timed
+    link.forward(4, 0.019, on=True, **read)  # 10 ms, 9 ms stalled: 1 ms idle
+    assert link.per_forward == pytest.approx(250_000)  # the median of 4 and 1 ms
+    link.forward(4, 0.029, on=False, **read)  # a forward with prefetch on: not an idle sample
+    assert link.per_forward == pytest.approx(250_000) and link.allows()
 
 
 def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral):

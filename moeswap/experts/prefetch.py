@@ -44,6 +44,7 @@ Legend: N tokens, K picks per token, X experts of a layer.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -168,6 +169,7 @@ class Prefetcher:
         self.useful_now = {t: 1.0 for t in layers}  # running share of reads used, per target
         self._rounds_off = {t: 0 for t in layers}
         self.throttle = Throttle()
+        self.link = IdleLink()
 
     def pause(self) -> None:
         """The throttle turned prefetch off: guesses made so far will not be checked."""
@@ -243,10 +245,47 @@ class Prefetcher:
                 "wait_seconds": c.wait_seconds, "hidden_seconds": c.hidden_seconds,
                 "cost_seconds": c.cost_seconds,
                 "uploads": c.uploads, "adaptive": self.throttle.as_dict(),
+                "link_budget_bytes": self.link.per_forward,
                 "layers": {t: {d: {**a.as_dict(), "reads_enabled": a.enabled and
                                    self.useful_now[t] >= MIN_PRECISION}
                                for d, a in by_depth.items()}
                            for t, by_depth in self.accuracy.items()}}
+
+
+class IdleLink:
+    """How many bytes of guesses a forward may read: the link's idle time in recent forwards
+    run without prefetch (a forward's time less the store's stall in it), times the rate of
+    the store's own reads. A link that is busy anyway (stalls fill the forward) then takes
+    only the guesses it has time for, not a read that would delay a request's. Unlimited until
+    a forward without prefetch was timed and a read measured. The last read may overshoot."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self._idle: deque[float] = deque(maxlen=PROBE_FORWARDS)  # seconds, off forwards
+        self._last: tuple[float, float, int, bool] | None = None  # (start, stall so far,
+        # tokens, prefetch on) of the current forward
+        self.per_forward: float | None = None  # bytes a forward may read; None: unlimited
+        self._left = math.inf  # what the current forward may still read
+
+    def forward(self, n_tokens: int, stall_seconds: float, read_bytes: int,
+                read_seconds: float, on: bool) -> None:
+        """A forward of ``n_tokens`` starts; the store has stalled ``stall_seconds`` and read
+        ``read_bytes`` in ``read_seconds`` so far; ``on``: prefetch runs in this forward."""
+        now = self.clock()
+        if self._last is not None:
+            start, stall, tokens, was_on = self._last
+            if not was_on and tokens == n_tokens:  # a comparable forward without prefetch
+                self._idle.append(max(0.0, now - start - (stall_seconds - stall)))
+        self._last = (now, stall_seconds, n_tokens, on)
+        if self._idle and read_seconds > 0:
+            self.per_forward = statistics.median(self._idle) * read_bytes / read_seconds
+        self._left = math.inf if self.per_forward is None else self.per_forward
+
+    def allows(self) -> bool:
+        return self._left > 0
+
+    def spend(self, n_bytes: int) -> None:
+        self._left -= n_bytes
 
 
 class Throttle:

@@ -394,6 +394,9 @@ class ExpertStore:
         """The throttle decides at each forward's first MoE layer, for the whole forward."""
         if layer == next(iter(self.layouts)):
             was, self._prefetch_on = self._prefetch_on, self.prefetch.throttle.forward(n_tokens)
+            stalled = sum(stats.stall_seconds for stats in self.layer_stats.values())
+            self.prefetch.link.forward(n_tokens, stalled, self.disk.stats.bytes,
+                                       self.disk.stats.seconds, self._prefetch_on)
             if was and not self._prefetch_on:
                 self.guesses.pause()
                 self._to_upload.clear()
@@ -417,10 +420,11 @@ class ExpertStore:
             if key in self.policies["device"] or key in self.policies["host"] or \
                     key in self.guesses:
                 pinned.add(key)
-            elif self.guesses.queue_full() or \
+            elif self.guesses.queue_full() or not self.prefetch.link.allows() or \
                     not self.guesses.reserve(key, self.layouts[key[0]], pinned):
-                break  # the link is busy with earlier guesses, or no slot is left
+                break  # the link is busy with earlier guesses or requests, or no slot is left
             else:
+                self.prefetch.link.spend(self.layouts[key[0]].expert_bytes)
                 pinned.add(key)
         self.guesses.submit()
         if device_ahead:
