@@ -19,7 +19,9 @@ rule uses. Reads are issued only
 - for target layers where the recent share of reads that were used before being evicted is at
   least ``MIN_PRECISION`` (a budget too small to keep a guess until its layer runs turns
   prefetch off there; one round in ``PROBE_EVERY`` still reads, to notice when that changes);
-- while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses);
+- while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses), and while
+  this forward's reads fit the link's idle time (``IdleLink``: a link busy with the store's
+  own reads takes only the guesses it has time for);
 - into a host slot reserved for guesses (the host policy has that many fewer), free or holding
   a policy's victim or an older guess nobody used: a guess stays outside the host policy until
   a request uses it, so it never evicts a requested expert (moeswap.experts.guesses); with no
