@@ -94,9 +94,7 @@ class HostGuesses:
                 self._forget(key)
                 self.prefetch.counts.cancelled += 1
         for key in [k for k in self._unused if k[0] <= layer and k not in needed]:
-            _, wasted = self._unused.pop(key)
-            self.prefetch.read_outcome(key[0], used=False)
-            self.prefetch.counts.bytes_wasted += wasted
+            self._wasted(key)
 
     def take(self, key: Key) -> tuple[int, bool]:
         """A request uses this guess: its slot leaves the guesses -> (slot, whether the bytes
@@ -134,10 +132,14 @@ class HostGuesses:
         """Free an unused guess's slot, its read cancelled or waited for first."""
         self._settle(key)
         if key in self._unused:
-            _, wasted = self._unused.pop(key)
-            self.prefetch.read_outcome(key[0], used=False)
-            self.prefetch.counts.bytes_wasted += wasted
+            self._wasted(key)
         self._forget(key)
+
+    def _wasted(self, key: Key) -> None:
+        """A landed guess will not be used for the layer it was read for."""
+        _, wasted = self._unused.pop(key)
+        self.prefetch.read_outcome(key[0], used=False)
+        self.prefetch.counts.bytes_wasted += wasted
 
     def pause(self) -> None:
         """Prefetch turns off: reads not started are dropped with their slots; a running one
