@@ -253,6 +253,37 @@ ALL_LAYOUTS = {**LAYOUTS, "mixtral_legacy": mixtral_legacy}
 
 # --- byte-level surgery on written files ----------------------------------------------------
 
+EXPERT_MATRICES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def rewrite_experts(source, path, stored: Callable[[int, np.ndarray], tuple[np.ndarray, Q]]):
+    """Copy the GGUF ``source`` to ``path`` with every key and tensor, the expert stacks
+    replaced by ``stored(kind, values)`` -> (array, type to store it as); kind indexes
+    EXPERT_MATRICES (gate, up, down)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(path, reader.fields["general.architecture"].contents())
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        item_type = f.types[1] if len(f.types) > 1 else None
+        writer.add_key_value(f.name, f.contents(), f.types[0], item_type)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        kind = next((i for i, m in enumerate(EXPERT_MATRICES) if t.name.endswith(m)), None)
+        if kind is None:
+            writer.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
+        else:
+            array, qtype = stored(kind, data)
+            writer.add_tensor(t.name, np.ascontiguousarray(array), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def tensor_info_offset(data: bytes, name: str) -> int:
     """Byte offset of a tensor-info record's n_dims field."""
     encoded = name.encode()

@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q, GGUFReader, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 
 import tiny_models
+from gguf_builders import rewrite_experts
 from moeswap.experts.device import (
     ACTIVATION_ROUNDING, DEVICE_TYPES, _DeviceMatrix, round_to_q8_0, round_to_q8_k)
 from moeswap.experts.device_dequant import DEQUANTIZERS, dequantize
@@ -149,7 +150,6 @@ def test_device_products_match_ggml_up_to_summation_order(ggml_type):
 EXPERT_TYPES = {  # (gate, up, down): the mixes real files use
     "q4_k_m": (Q.Q4_K, Q.Q4_K, Q.Q6_K), "q2_k": (Q.Q2_K, Q.Q2_K, Q.Q3_K),
     "q5_k": (Q.Q5_K, Q.Q5_K, Q.Q5_K), "mxfp4": (Q.MXFP4, Q.MXFP4, Q.MXFP4)}
-EXPERT_MATRICES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
 def with_expert_types(source, path, types: tuple[Q, Q, Q]):
@@ -157,27 +157,11 @@ def with_expert_types(source, path, types: tuple[Q, Q, Q]):
     quantizer: gguf-py has none for the K-quants) to ``types``."""
     from moeswap.quant import quantize_rows
 
-    reader = GGUFReader(source)
-    arch = reader.fields["general.architecture"].contents()
-    writer = GGUFWriter(path, arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        item_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], item_type)
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        kind = next((i for i, m in enumerate(EXPERT_MATRICES) if t.name.endswith(m)), None)
-        if kind is None:
-            writer.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
-            continue
+    def stored(kind, data):
         packed = quantize_rows(data.reshape(-1, data.shape[-1]), types[kind])
-        writer.add_tensor(t.name, packed.reshape(*data.shape[:-1], -1), raw_dtype=types[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        return packed.reshape(*data.shape[:-1], -1), types[kind]
+
+    return rewrite_experts(source, path, stored)
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +188,10 @@ def test_device_tier_agrees_with_the_cpu_kernels_on_k_quants(calm_f32_mixtral, m
     to 1.7e-3 relative, argmax still equal; the other 11 and all 5 MXFP4 runs 2e-7 to 4.2e-7.
     Seed 3 has none."""
     pytest.importorskip("llama_cpp", reason="the resident reference runs ggml's CPU kernels")
-    from test_expert_store import decode_logits, plan, store_model
+    from test_expert_store import assert_device_tier_agrees
 
     from moeswap.experts import device
     from moeswap.formats.gguf_file import GGUFFile
-    from moeswap.models import load_model
-    from moeswap.models.quant_experts import QuantResidentExperts
     from moeswap.quant import CpuKernels
 
     kernels, product_errors = CpuKernels(1), []
@@ -226,18 +208,8 @@ def test_device_tier_agrees_with_the_cpu_kernels_on_k_quants(calm_f32_mixtral, m
     path = with_expert_types(calm_f32_mixtral, tmp_path / f"{mix}.gguf", EXPERT_TYPES[mix])
     stored = {t.ggml_type for t in GGUFFile.open(path).tensors if t.name.endswith("_exps.weight")}
     assert stored == set(EXPERT_TYPES[mix])
-    resident = load_model(path, threads=1, expert_runner=QuantResidentExperts)
-    expected = decode_logits(resident)
-    _, _, layers, n_experts = plan(path)
     monkeypatch.setattr(device._DeviceMatrix, "matmul", compared_with_ggml)
-    for device_slots in (len(layers), len(layers) * n_experts):
-        model, factory = store_model(path, 1, device_slots, miss="transfer",
-                                     device_backend="cpu")
-        got = decode_logits(model)
-        assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-4
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
-        assert factory.stats()["total"]["transfers"] > 0
-    assert factory.stats()["total"]["device_hits"] > 0
+    assert_device_tier_agrees(path)
     assert product_errors and max(product_errors) <= PRODUCT_BOUND
 
 

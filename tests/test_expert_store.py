@@ -196,11 +196,17 @@ def calm_mixtral(request, tmp_path_factory):
 def test_torch_device_tier_agrees_with_the_cpu_kernels(calm_mixtral):
     """The device path (written for CUDA) on CPU tensors: uploads through the staging ring,
     products dequantized on the device with ggml's activation rounding."""
-    resident = load_model(calm_mixtral, threads=1, expert_runner=QuantResidentExperts)
+    assert_device_tier_agrees(calm_mixtral)
+
+
+def assert_device_tier_agrees(path) -> None:
+    """A CPU "device" tier of one expert per layer, then of every expert (--miss transfer):
+    logits within 1e-4 of the resident model's largest, every argmax equal."""
+    resident = load_model(path, threads=1, expert_runner=QuantResidentExperts)
     expected = decode_logits(resident)
-    _, _, layers, n_experts = plan(calm_mixtral)
+    _, _, layers, n_experts = plan(path)
     for device_slots in (len(layers), len(layers) * n_experts):
-        model, factory = store_model(calm_mixtral, 1, device_slots, miss="transfer",
+        model, factory = store_model(path, 1, device_slots, miss="transfer",
                                      device_backend="cpu")
         got = decode_logits(model)
         assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-4

@@ -16,42 +16,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType as Q, GGUFReader
 from gguf.quants import dequantize, quantize
 
 import tiny_models
+from gguf_builders import rewrite_experts
 from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
 from moeswap.models.experts import ACTIVATIONS, Expert, ResidentExperts
 from moeswap.models.quant_experts import QuantResidentExperts
 
 PROMPT = torch.randint(0, tiny_models.VOCAB, (16,), generator=torch.Generator().manual_seed(1))
-EXPERT_MATRICES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
-def rewrite_experts(source, path, as_mxfp4: bool):
+def with_mxfp4_experts(source, path, as_mxfp4: bool):
     """Copy `source` with its expert matrices stored as MXFP4, or as MXFP4's decoded f32 values."""
-    reader = GGUFReader(source)
-    writer = GGUFWriter(path, "gpt-oss")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        item_type = field.types[1] if len(field.types) > 1 else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], item_type)
-    for t in reader.tensors:
-        data = np.asarray(t.data)
-        if t.name.endswith(EXPERT_MATRICES):
-            packed = quantize(data, Q.MXFP4)
-            if as_mxfp4:
-                writer.add_tensor(t.name, packed, raw_dtype=Q.MXFP4)
-                continue
-            data = dequantize(packed, Q.MXFP4).reshape(data.shape)
-        writer.add_tensor(t.name, np.ascontiguousarray(data), raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    def stored(kind, data):
+        packed = quantize(data, Q.MXFP4)
+        if as_mxfp4:
+            return packed, Q.MXFP4
+        return dequantize(packed, Q.MXFP4).reshape(data.shape), Q.F32
+
+    return rewrite_experts(source, path, stored)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +45,8 @@ def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     tiny_models.save("gpt_oss", folder / "hf")
     f32 = convert(folder / "hf", folder / "model.f32.gguf", "f32")
-    return (rewrite_experts(f32, folder / "mxfp4.gguf", as_mxfp4=True),
-            rewrite_experts(f32, folder / "decoded.gguf", as_mxfp4=False))
+    return (with_mxfp4_experts(f32, folder / "mxfp4.gguf", as_mxfp4=True),
+            with_mxfp4_experts(f32, folder / "decoded.gguf", as_mxfp4=False))
 
 
 def logits(model) -> torch.Tensor:
