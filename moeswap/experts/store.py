@@ -25,9 +25,9 @@ low-bit copies held in RAM instead of read from the file (moeswap.experts.lowbit
 With ``prefetch`` on, a few host slots are reserved for guesses (the host policy gets that many
 fewer; between guesses they keep the policy's latest victims), and each layer step first reads
 guesses for the next layers into them on a worker thread, outside the host policy until a
-request uses them (moeswap.experts.guesses), and on a CUDA device tier uploads the guesses worth moving on the copy
-stream; a throttle turns all of it off where it does not measurably pay
-(moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
+request uses them (moeswap.experts.guesses), and on a CUDA device tier uploads the guesses
+worth moving on the copy stream; a throttle turns all of it off where it does not measurably
+pay (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
 
 Legend: N tokens, T tokens of one piece, K picks per token, D model width, F expert width,
 M picks of one expert.
@@ -81,7 +81,8 @@ class StoreOptions:
     context_tokens: int = 0  # positions of each sequence
     sequences: int = 1  # sequences whose caches are held at once (a server's batch slots)
     step_tokens: int = 0  # most tokens a forward feeds one sequence (0: a whole context)
-    working_bytes: int = 0  # a forward's activations, scores and logits (moeswap.server.budget)
+    working_bytes: int = 0  # a forward's activations, scores and logits
+    # (moeswap.experts.options.forward_working_bytes)
     policy: str = "lru"
     miss: str = "auto"
     threshold: float = 0.0  # --expert-threshold: drop picks weighted under it (approximation)
@@ -359,8 +360,9 @@ class ExpertStore:
         if key is None:
             return
         index = self.slots[tier].pop(key)
-        if tier == "host" and self.guess_slots:  # the reserve keeps it, bytes in, until a
-            self.guesses.keep(key, index)  # guess or an admission needs the slot
+        if tier == "host" and self.guess_slots:
+            # the reserve keeps it, bytes in, until a guess or an admission needs the slot
+            self.guesses.keep(key, index)
         else:
             self.pools[tier].release(index)
         if tier == "device":
