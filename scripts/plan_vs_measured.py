@@ -256,7 +256,7 @@ def main() -> int:
                                     "plan-prompts", args.threads)))
     if args.prepare:
         return 0
-    from moeswap.experts.probe import cached_overheads, cached_rates
+    from moeswap.planner.probe import cached_overheads, cached_rates
     from moeswap.planner.rates import plan_rates
 
     cached_rates(args.threads, refresh=args.refresh_probe)

@@ -18,7 +18,7 @@ from moeswap.routing.importers import import_trace
 from moeswap.routing.profile import build_profile, learn_reuse_table
 from moeswap.routing.policy_specs import simulate_grid
 from moeswap.routing.simulate import simulate
-from moeswap.experts.policies import LRU, LearnedReuse
+from moeswap.routing.policies import LRU, LearnedReuse
 
 CAPACITIES = [1, 2, 3, 4, 5, 6]
 POLICIES = ["lru", "lfu", "lfuda", "arc", "s3fifo", "learned", "belady"]

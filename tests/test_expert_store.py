@@ -257,7 +257,7 @@ def test_anonymous_memory_grows_by_the_budget_not_by_the_experts(tmp_path):
 
 
 def test_profile_policies_run_exactly_and_pin_by_model_layer(tmp_path):
-    from moeswap.experts.policies import ReuseTable
+    from moeswap.routing.policies import ReuseTable
     from moeswap.routing.profile import Profile
 
     folder = tmp_path / "m"
@@ -282,7 +282,7 @@ def test_profile_policies_run_exactly_and_pin_by_model_layer(tmp_path):
 
 
 def test_a_pinned_hot_set_is_held_once_across_the_tiers(tmp_path):
-    from moeswap.experts.policies import ReuseTable
+    from moeswap.routing.policies import ReuseTable
     from moeswap.routing.profile import Profile
 
     folder = tmp_path / "m"

@@ -16,10 +16,10 @@ from gguf_builders import gemma4, mixtral
 
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
-from moeswap.experts import probe
+from moeswap.planner import probe
 from moeswap.experts.cost import Rates
-from moeswap.experts.policies import ReuseTable
-from moeswap.experts.probe import Overheads
+from moeswap.routing.policies import ReuseTable
+from moeswap.planner.probe import Overheads
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
 from moeswap.planner import plan_model, report

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeswap.experts.policies import (
+from moeswap.routing.policies import (
     ARC, LFU, LFUDA, LRU, S3FIFO, AdmitAfter, Belady, LearnedReuse, Pinned, ReuseTable, SlidingWindow,
 )
 from moeswap.routing.importers import import_trace

@@ -11,7 +11,7 @@ import pytest
 
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
-from moeswap.experts.policies import LRU, LearnedReuse
+from moeswap.routing.policies import LRU, LearnedReuse
 from moeswap.routing.importers import import_trace
 from moeswap.routing.profile import WINDOW_CHOICES, Profile, build_profile, choose_window, halves, hot_set, learn_reuse_table
 from moeswap.routing.policy_specs import simulate_grid

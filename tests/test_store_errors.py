@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from moeswap.errors import MoeswapError
-from moeswap.experts import policies as p
+from moeswap.routing import policies as p
 from moeswap.routing.policy_specs import live_policy
 
 
@@ -140,7 +140,7 @@ RATES = {"disk_read": 1e9, "link": 2e9, "host_compute": 3e9, "device_compute": 4
     (json.dumps([1, 2]), "not a JSON object"),
 ])
 def test_a_damaged_probe_cache_names_the_file_and_the_refresh(tmp_path, text, why):
-    from moeswap.experts.probe import cached_rates, read_cache
+    from moeswap.planner.probe import cached_rates, read_cache
     from moeswap.planner.rates import plan_rates
 
     cache = tmp_path / "probe.json"
@@ -153,7 +153,7 @@ def test_a_damaged_probe_cache_names_the_file_and_the_refresh(tmp_path, text, wh
 
 
 def test_refresh_replaces_a_damaged_probe_cache(tmp_path, monkeypatch):
-    from moeswap.experts import probe
+    from moeswap.planner import probe
     from moeswap.experts.cost import Rates
 
     monkeypatch.setattr(probe, "probe", lambda threads, folder: Rates(**RATES))
@@ -165,7 +165,7 @@ def test_refresh_replaces_a_damaged_probe_cache(tmp_path, monkeypatch):
 
 
 def test_the_planner_reads_this_hosts_rates_through_read_cache(tmp_path, monkeypatch):
-    from moeswap.experts import probe
+    from moeswap.planner import probe
     from moeswap.experts.cost import Rates
     from moeswap.planner import rates
 

@@ -109,7 +109,7 @@ def store_factory(args, context_tokens: int, sequences: int = 1, step_tokens: in
     backend = "cuda" if device and torch.cuda.is_available() else "ram"
     rates = None
     if device and args.miss == "auto":
-        from moeswap.experts.probe import cached_rates
+        from moeswap.planner.probe import cached_rates
 
         rates = cached_rates(args.threads)
     return ExpertStore.factory(StoreOptions(

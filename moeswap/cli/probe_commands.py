@@ -15,7 +15,7 @@ def register(subparsers) -> None:
 def run_probe(args) -> int:
     from dataclasses import asdict
 
-    from moeswap.experts.probe import DEFAULT_CACHE, cached_overheads, cached_rates
+    from moeswap.planner.probe import DEFAULT_CACHE, cached_overheads, cached_rates
 
     rates = cached_rates(args.threads, refresh=args.refresh)
     print(json.dumps({name: f"{value / 1e9:.2f} GB/s" for name, value in asdict(rates).items()},

@@ -3,7 +3,7 @@
 Tiers, fastest first: ``device`` slots, ``host`` slots (both fixed ``SlotPool``s holding experts
 in their stored, quantized form; on a CPU-only machine both are RAM and compute-ready as they
 are), and ``disk`` (the model file, read with ``pread``). Each tier with slots has a cache policy
-from ``moeswap.experts.policies`` (the same classes the trace simulator replays) over keys
+from ``moeswap.routing.policies`` (the same classes the trace simulator replays) over keys
 ``(layer, expert)``; the policy decides residency, the store moves bytes to match it.
 
 For every expert a layer step needs, in ascending id order, the store:
@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from moeswap.errors import MoeswapError
-from moeswap.experts import policies as p
+from moeswap.routing import policies as p
 from moeswap.experts.cost import MissPlanner, Rates
 from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots, device_type_names
 from moeswap.experts.lowbit import LowBitCopies

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from moeswap.experts.cost import Rates
-from moeswap.experts.probe import DEFAULT_CACHE, Overheads, read_cache, read_overheads
+from moeswap.planner.probe import DEFAULT_CACHE, Overheads, read_cache, read_overheads
 
 # Conservative, in bytes per second: a SATA-class SSD read cold, a 2-core product over stored
 # bytes (docs/OFFLOAD.md: this machine's ggml kernels reach ~10 GB/s), PCIe 3.0 x16 as used, and

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.policies import LRU
+from moeswap.routing.policies import LRU
 from moeswap.planner.sizes import ModelSizes
 from moeswap.quant.kernels import MAX_TOKENS_PER_CALL
 from moeswap.routing.traces import PHASES, RoutingTrace

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from moeswap.errors import MoeswapError
-from moeswap.experts import policies as p
-from moeswap.experts.policies import CachePolicy
+from moeswap.routing import policies as p
+from moeswap.routing.policies import CachePolicy
 from moeswap.routing.profile import Profile
 from moeswap.routing.simulate import CacheContext, PolicyFactory, SimResult, simulate
 from moeswap.routing.traces import RoutingTrace

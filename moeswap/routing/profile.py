@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.policies import LearnedReuse, ReuseTable
+from moeswap.routing.policies import LearnedReuse, ReuseTable
 from moeswap.routing.simulate import simulate
 from moeswap.routing.stats import popularity
 from moeswap.routing.traces import RoutingTrace

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeswap.experts.policies import CachePolicy, Key
+from moeswap.routing.policies import CachePolicy, Key
 from moeswap.routing.traces import RoutingTrace
 
 SCOPES = ("per-layer", "global")
