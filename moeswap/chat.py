@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TextIO
 
 from moeswap.context_window import POLICIES, common_prefix_length, fit_context
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS
 from moeswap.generate import GenerationStats, check_step_tokens, prefill
 from moeswap.runtime import peak_rss_bytes
 from moeswap.sampling import Sampler, SamplingParams

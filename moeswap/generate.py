@@ -8,7 +8,7 @@ moeswap.models.CausalLM). Stop tokens end a sequence and are not yielded.
 Prompts are prefilled in chunks of at most ``step_tokens`` tokens per sequence and forward
 (llama.cpp's micro-batch, ``n_ubatch``): attention scores, activations and logits are then
 held for one chunk, not the whole prompt, and a sliding-window layer's cache holds at most
-window - 1 + ``step_tokens`` positions (moeswap.experts.options.kv_cache_bytes).
+window - 1 + ``step_tokens`` positions (moeswap.memory.kv_cache_bytes).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS
 from moeswap.sampling import GREEDY, Sampler
 
 

@@ -12,7 +12,7 @@ import torch
 
 from moeswap.chat_template import ChatTemplate
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS
 from moeswap.generate import GenerationStats, generate
 from moeswap.sampling import Sampler, SamplingParams
 from moeswap.tokenizer import Tokenizer, load_tokenizer
@@ -23,7 +23,7 @@ class Runtime:
                  replay: Any = None):
         self.model = model
         self.tokenizer = tokenizer
-        self.expert_runner = expert_runner  # the offload store's factory, when one was asked for
+        self.expert_runner = expert_runner  # the offload store's builder, when one was asked for
         self.replay = replay  # moeswap.routing.replay.RoutingReplay, when routing is replayed
         self.chat_template = (
             ChatTemplate(tokenizer.chat_template,
@@ -89,7 +89,8 @@ class Runtime:
 def load(path: str | os.PathLike, *, threads: int | None = None,
          verbose_log: Callable[[str], None] | None = None, expert_runner: Any = None,
          tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
-         replay_routing: str | os.PathLike | None = None) -> Runtime:
+         replay_routing: str | os.PathLike | None = None, context_tokens: int = 0,
+         step_tokens: int = 0) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -100,6 +101,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
     replay_routing: a routing trace (.npz) whose decisions replace the router's, for measuring
     the store with real routing on a generated model (docs/OFFLOAD.md, "Replayed routing").
+    context_tokens, step_tokens: what the store's budget charged each sequence for
+    (moeswap.memory.HostCharge); caches are sized to it (0: they grow as they fill).
     """
     from moeswap.models import load_model
     from moeswap.routing.replay import RoutingReplay
@@ -114,7 +117,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     replay = RoutingReplay.load(replay_routing) if replay_routing is not None else None
     tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
-                       recorder=recorder, replay=replay)
+                       recorder=recorder, replay=replay, context_tokens=context_tokens,
+                       step_tokens=step_tokens)
     return Runtime(model, tokenizer, expert_runner, replay)
 
 

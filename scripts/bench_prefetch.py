@@ -48,7 +48,7 @@ PROMPT = "import os\nimport sys\n\n\ndef main():\n"
 
 
 def host_budget(model: Path, share: float, context_tokens: int) -> int:
-    from moeswap.experts.options import kv_bytes_per_token
+    from moeswap.memory import kv_bytes_per_token
     from moeswap.experts.store import routed_bytes, shared_bytes
     from moeswap.experts.tiers import slot_bytes
     from moeswap.formats.config import config_from_gguf
@@ -111,8 +111,8 @@ def worker(args) -> None:
     rt, factory = runtime(args.model, host_budget(args.model, args.experts_share, context),
                           args.predictor, depth, context, args.threads, cold=not simulated,
                           replay=args.replay_routing)
-    if held_on and factory.store.prefetch is not None:
-        factory.store.prefetch.throttle.forward = lambda n_tokens: True
+    if held_on and factory.store.lookahead.prefetch is not None:
+        factory.store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
     stats = GenerationStats()
     tokens = list(rt.generate(args.prompt, args.tokens, temperature=0, stats=stats))
     s = rt.stats()
@@ -207,8 +207,8 @@ def stress(args) -> None:
         rt, factory = runtime(args.model, host_budget(args.model, 0.10, 128), mode, 4, 128,
                               args.threads)
         if name.endswith("held on"):  # neither the throttle nor the precision rule stops it
-            factory.store.prefetch.throttle.forward = lambda n_tokens: True
-            factory.store.prefetch._reads_wanted = lambda target, depth: True
+            factory.store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
+            factory.store.lookahead.prefetch._reads_wanted = lambda target, depth: True
         tokens, threads, rss = [], [], []
         for generation in range(args.steps // 64):
             tokens += list(rt.generate(f"{args.prompt}    # {generation}\n", 64,

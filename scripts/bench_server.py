@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from moeswap.cli.offload_args import add_offload_arguments
-from moeswap.experts.options import parse_size
+from moeswap.memory import parse_size
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.server.batching import BatchOptions

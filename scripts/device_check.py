@@ -41,7 +41,7 @@ for extra in (ROOT, ROOT / "tests", ROOT / "scripts"):  # tiny_models, bench_dec
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from moeswap.experts.options import kv_bytes_per_token  # noqa: E402
+from moeswap.memory import kv_bytes_per_token  # noqa: E402
 from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes  # noqa: E402
 from moeswap.experts.tiers import slot_bytes  # noqa: E402
 from moeswap.formats.config import config_from_gguf  # noqa: E402

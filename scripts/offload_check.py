@@ -86,7 +86,7 @@ def measure(path: str, share: float, policy: str, threads: int, n_prompt: int, n
     """In this process: load with the store, prefill, decode; memory and speed."""
     import torch
 
-    from moeswap.experts.options import kv_bytes_per_token
+    from moeswap.memory import kv_bytes_per_token
     from moeswap.experts.store import ExpertStore, StoreOptions, routed_bytes, shared_bytes
     from moeswap.experts.tiers import slot_bytes
     from moeswap.formats.config import config_from_gguf

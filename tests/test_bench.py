@@ -86,49 +86,42 @@ def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, 
     """The store is charged the KV caches and working memory of a ``prefill_chunk``-token
     step -- one sequence as `moeswap run` charges it, or the batch as `moeswap serve` does --
     and no forward feeds a sequence more than ``prefill_chunk`` tokens."""
-    import moeswap
+    from moeswap import runtime
     from moeswap.bench import moeswap_runner
     from moeswap.bench.scenarios import RunSpec
-    from moeswap.cli import offload_args
-    from moeswap.experts.options import forward_working_bytes
-    from moeswap.formats.config import config_from_gguf
-    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.experts import build
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.memory import HostCharge
 
     charged, fed = [], []
 
-    def capture(args, *positional, **charge):
-        charged.append((positional, charge))
-        return None  # all resident: the charge is what is checked
+    def capture(settings, charge, rates=None):
+        charged.append(charge)
+        return {}  # all resident: the charge is what is checked
 
     def counting_load(*args, **kwargs):
-        runtime = load(*args, **kwargs)
-        forward = runtime.model.forward
+        loaded = load(*args, **kwargs)
+        forward = loaded.model.forward
 
         def counted(tokens, caches, last_only=False):
             fed.append([int(t.numel()) for t in tokens])
             return forward(tokens, caches, last_only)
 
-        monkeypatch.setattr(runtime.model, "forward", counted)
-        return runtime
+        monkeypatch.setattr(loaded.model, "forward", counted)
+        return loaded
 
-    load = moeswap.load
-    monkeypatch.setattr(offload_args, "store_factory", capture)
-    monkeypatch.setattr(moeswap, "load", counting_load)
+    load = runtime.load
+    monkeypatch.setattr(build, "load_options", capture)
+    monkeypatch.setattr(runtime, "load", counting_load)
     prompts = [list(range(3, 23)), list(range(5, 15)), list(range(4, 10))][:3 if batched else 1]
     n_ctx, chunk = 20 + GEN, 8
     spec = RunSpec("batch8" if batched else "conflict", "test", "moeswap", str(tiny_gguf), 1,
-                   prompts, GEN, n_ctx, batched=batched, offload={"host_mem": "1GiB"},
-                   prefill_chunk=chunk)
+                   prompts, GEN, n_ctx, batched=batched,
+                   offload=OffloadSettings(host_bytes=1 << 30), prefill_chunk=chunk)
     result = moeswap_runner.run(spec)
     assert [len(tokens) for tokens in result["outputs"]] == [GEN] * len(prompts)
-
-    gguf = GGUFFile.open(tiny_gguf)
-    config = config_from_gguf(gguf)
-    gguf.close()
-    sequences = dict(sequences=3) if batched else {}
-    working = forward_working_bytes(config, chunk, n_ctx, **sequences)  # a chunk's, whole context
-    assert charged == [((), dict(context_tokens=n_ctx, step_tokens=chunk, working_bytes=working,
-                                 **sequences))]
+    assert charged == [HostCharge(context_tokens=n_ctx, sequences=3 if batched else 1,
+                                  step_tokens=chunk)]
     assert max(max(step) for step in fed) == chunk and max(sum(step) for step in fed) <= chunk
     if not batched:  # warm-up: 16 tokens in two chunks and a step; then 20 in three
         assert fed == [[8], [8], [1], [8], [8], [4]] + [[1]] * (GEN - 1)

@@ -14,7 +14,7 @@ import moeswap
 from moeswap.chat import ChatOptions, ChatSession
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import forward_working_bytes, kv_cache_bytes
+from moeswap.memory import HostCharge, forward_working_bytes, kv_cache_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.generate import generate, generate_batch, prefill
@@ -177,15 +177,15 @@ def test_run_with_small_steps_prints_what_one_forward_does(tiny_gguf, capsys):
 def test_run_charges_a_chunk_and_the_plan_counts_the_same(tiny_gguf, monkeypatch, capsys):
     """`run` hands the store the KV cache and working memory of a --step-tokens chunk (not the
     prompt), and `moeswap plan` at that context and step charges the same bytes."""
-    from moeswap.cli import run_commands
+    from moeswap.experts import build
 
     charged = {}
 
-    def capture(args, **charge):
-        charged.update(charge)
-        return None  # all resident: the charge is what is checked
+    def capture(settings, charge, rates=None):
+        charged.update(charge=charge)
+        return {}  # all resident: the charge is what is checked
 
-    monkeypatch.setattr(run_commands, "store_factory", capture)
+    monkeypatch.setattr(build, "load_options", capture)
     text = "The quick brown fox jumps over the lazy dog."
     assert main(["run", str(tiny_gguf), "-p", text, "-n", "4", "--temp", "0", "--threads", "1",
                  "--host-mem", "1GiB", "--step-tokens", "5"]) == 0
@@ -195,7 +195,8 @@ def test_run_charges_a_chunk_and_the_plan_counts_the_same(tiny_gguf, monkeypatch
     config = config_from_gguf(gguf)
     gguf.close()
     working = forward_working_bytes(config, 5, context)
-    assert charged == dict(context_tokens=context, step_tokens=5, working_bytes=working)
+    assert charged == dict(charge=HostCharge(context_tokens=context, step_tokens=5))
+    assert charged["charge"].working_bytes(config) == working
     # one logits row (V 128); per fed token: 4 heads' scores, D 64 activations
     assert working == 4 * (2 * 128 + 5 * (2 * 4 * context + 16 * 64))
 

@@ -13,8 +13,10 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import forward_working_bytes, kv_bytes_per_token
-from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+from moeswap.memory import forward_working_bytes, kv_bytes_per_token
+from moeswap.experts.store import ExpertStore, shared_bytes
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -62,7 +64,7 @@ def decode_logits(model) -> torch.Tensor:
 def store_model(path, host_slots: int, device_slots: int = 0, **options):
     """(model, its store's factory) with room for that many experts per tier."""
     fixed, slot, _, _ = plan(path)
-    factory = ExpertStore.factory(StoreOptions(
+    factory = build_store(OffloadSettings(
         host_bytes=fixed + host_slots * slot, device_bytes=device_slots * slot, **options))
     return load_model(path, threads=1, expert_runner=factory), factory
 
@@ -107,7 +109,7 @@ def test_budget_below_the_shared_weights_is_refused(quantized_file):
     fixed, _, _, _ = plan(quantized_file)
     with pytest.raises(MoeswapError, match="below the shared weights"):
         load_model(quantized_file, threads=1,
-                   expert_runner=ExpertStore.factory(StoreOptions(fixed - 1)))
+                   expert_runner=build_store(OffloadSettings(fixed - 1)))
 
 
 def test_threshold_is_an_approximation_that_is_counted(quantized_file):
@@ -133,7 +135,7 @@ def test_budgets_hold_and_accounting_equals_the_bytes_held(mixtral_q8, data):
     everything = len(layers) * n_experts
     host_budget = fixed + data.draw(st.integers(0, (everything + 1) * slot), label="host extra")
     device_budget = data.draw(st.integers(0, (everything + 1) * slot), label="device budget")
-    options = StoreOptions(host_bytes=host_budget, device_bytes=device_budget,
+    options = OffloadSettings(host_bytes=host_budget, device_bytes=device_budget,
                            policy=data.draw(st.sampled_from(POLICIES)),
                            miss=data.draw(st.sampled_from(["auto", "compute", "transfer"])))
     kernels = CpuKernels(1)
@@ -151,16 +153,16 @@ def test_budgets_hold_and_accounting_equals_the_bytes_held(mixtral_q8, data):
         held = store.held_bytes()
         for tier, budget in (("host", host_budget), ("device", device_budget)):
             assert held[tier] <= budget
-            assert set(store.slots[tier]) == store.policies[tier].resident()
-            assert len(store.slots[tier]) <= store.pools[tier].n_slots
-            for (lay, expert), index in store.slots[tier].items():  # the bytes are that expert's
+            assert set(store.residency.slots[tier]) == store.residency.policies[tier].resident()
+            assert len(store.residency.slots[tier]) <= store.residency.pools[tier].n_slots
+            for (lay, expert), index in store.residency.slots[tier].items():  # the bytes are that expert's
                 layout = store.layouts[lay]
-                in_slot = store.pools[tier].slot(index)
+                in_slot = store.residency.pools[tier].slot(index)
                 for part, offset in zip(layout.parts, piece_offsets(layout)):
                     start = part.data_start + expert * part.expert_bytes
                     assert np.array_equal(in_slot[offset:offset + part.expert_bytes],
                                           file_bytes[start:start + part.expert_bytes])
-        assert held["host"] == store.pools["host"].nbytes + fixed
+        assert held["host"] == store.residency.pools["host"].nbytes + fixed
 
 
 def test_run_command_reports_the_store(tmp_path, capsys):
@@ -275,10 +277,10 @@ def test_profile_policies_run_exactly_and_pin_by_model_layer(tmp_path):
     for policy in ("pinned", "learned"):
         model, factory = store_model(path, 3, policy=f"{policy}:{tmp_path / 'profile.json'}")
         if policy == "pinned":  # loaded before the first token, under model block indices
-            assert {(2, 5), (1, 2)} <= set(factory.store.slots["host"])
+            assert {(2, 5), (1, 2)} <= set(factory.store.residency.slots["host"])
         assert torch.equal(decode_logits(model), expected), policy
         if policy == "pinned":
-            assert {(2, 5), (1, 2)} <= set(factory.store.slots["host"])
+            assert {(2, 5), (1, 2)} <= set(factory.store.residency.slots["host"])
 
 
 def test_a_pinned_hot_set_is_held_once_across_the_tiers(tmp_path):
@@ -295,8 +297,8 @@ def test_a_pinned_hot_set_is_held_once_across_the_tiers(tmp_path):
     expected = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
     model, factory = store_model(path, 3, device_slots=1, policy=f"pinned:{tmp_path / 'profile.json'}")
     store = factory.store
-    assert set(store.slots["device"]) == {(2, 5)}
-    assert set(store.slots["host"]) == {(1, 2), (2, 1)}  # the device's hot expert not again
+    assert set(store.residency.slots["device"]) == {(2, 5)}
+    assert set(store.residency.slots["host"]) == {(1, 2), (2, 1)}  # the device's hot expert not again
     assert torch.equal(decode_logits(model), expected)
 
 
@@ -309,7 +311,7 @@ def test_a_miss_never_evicts_an_expert_of_its_own_step(mixtral_q8):
     fixed, slot, layers, _ = plan(mixtral_q8)
     kernels = CpuKernels(1)
     store = ExpertStore(gguf, kernels, layers, "silu",
-                        StoreOptions(host_bytes=fixed + 2 * slot, policy="lfu"))
+                        OffloadSettings(host_bytes=fixed + 2 * slot, policy="lfu"))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     layer = layers[0]
     for pair in ([3, 4], [3, 5], [3, 6], [3, 0], [0, 1]):
@@ -318,4 +320,4 @@ def test_a_miss_never_evicts_an_expert_of_its_own_step(mixtral_q8):
         assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
     stats = store.stats()["layers"][layer]
     assert stats["refetches"] == 0
-    assert set(store.slots["host"]) == {(layer, 3), (layer, 0)}
+    assert set(store.residency.slots["host"]) == {(layer, 3), (layer, 0)}

@@ -15,8 +15,10 @@ from hypothesis import given, settings, strategies as st
 import tiny_models
 from moeswap.errors import MoeswapError
 from moeswap.experts.lowbit import LowBitCopies
-from moeswap.experts.options import forward_working_bytes, kv_bytes_per_token
-from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+from moeswap.memory import forward_working_bytes, kv_bytes_per_token
+from moeswap.experts.store import ExpertStore, shared_bytes
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -64,20 +66,20 @@ def direct_store(path, host_slots: int, **options) -> ExpertStore:
     gguf, fixed, slot, layers, _ = plan(path)
     copies = copies_bytes(path, options["miss_lowbit"]) if options.get("miss_lowbit") else 0
     return ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                       StoreOptions(host_bytes=fixed + copies + host_slots * slot, **options))
+                       OffloadSettings(host_bytes=fixed + copies + host_slots * slot, **options))
 
 
 def test_off_by_default_and_then_bitwise_the_resident_models(mixtral_q8):
-    assert StoreOptions(host_bytes=0).miss_lowbit == ""
+    assert OffloadSettings(host_bytes=0).miss_lowbit == ""
     expected = decode_logits(load_model(mixtral_q8, threads=1, expert_runner=QuantResidentExperts))
     _, fixed, slot, layers, n_experts = plan(mixtral_q8)
-    factory = ExpertStore.factory(StoreOptions(host_bytes=fixed + len(layers) * slot))
+    factory = build_store(OffloadSettings(host_bytes=fixed + len(layers) * slot))
     assert torch.equal(decode_logits(load_model(mixtral_q8, threads=1, expert_runner=factory)),
                        expected)
     assert "lowbit" not in factory.stats()
     # On, with room for every expert: every miss is admitted and read in full, none fires.
     everything = fixed + copies_bytes(mixtral_q8) + len(layers) * n_experts * slot
-    factory = ExpertStore.factory(StoreOptions(host_bytes=everything, miss_lowbit="q4_0"))
+    factory = build_store(OffloadSettings(host_bytes=everything, miss_lowbit="q4_0"))
     assert torch.equal(decode_logits(load_model(mixtral_q8, threads=1, expert_runner=factory)),
                        expected)
     assert factory.stats()["lowbit"]["fires"] == 0
@@ -103,20 +105,20 @@ def nmse(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_prefetch_stays_off_with_low_bit_copies(mixtral_q8):
     # a guess served at full precision would change which misses the approximation computes
     store = direct_store(mixtral_q8, 16, miss_lowbit="q4_0", prefetch="gate", policy="admit:2")
-    assert store.prefetch is None and store.guess_slots == 0
-    assert store.policies["host"].capacity == 16
+    assert store.lookahead is None and store.residency.guess_slots == 0
+    assert store.residency.policies["host"].capacity == 16
 
 
 def test_a_fired_expert_is_computed_from_its_low_bit_copy(mixtral_q8):
     store = direct_store(mixtral_q8, 0, miss_lowbit="q4_0")  # no host slots: every miss fires
     layer = plan(mixtral_q8)[3][0]
-    full, copy = store.layouts[layer], store.lowbit.layouts[layer]
+    full, copy = store.layouts[layer], store.residency.lowbit.layouts[layer]
     file_bytes = np.memmap(mixtral_q8, dtype=np.uint8, mode="r")
     lowbit, original = {}, {}
     for (kind, part), piece, offset in zip(full.matrices.items(), copy.parts, piece_offsets(copy)):
         stack = file_bytes[part.data_start:part.data_start + part.n_experts * part.expert_bytes]
         original[kind] = dequantize_matrix(stack, Q.Q8_0, (*part.ne, part.n_experts))
-        held = [store.lowbit.pool.slot(store.lowbit.index[layer, e])[offset:offset + piece.expert_bytes]
+        held = [store.residency.lowbit.pool.slot(store.residency.lowbit.index[layer, e])[offset:offset + piece.expert_bytes]
                 for e in range(part.n_experts)]
         # The copy is ggml's Q4_0 of the file's dequantized values, in the expert's own slot.
         width = part.ne[0]
@@ -144,7 +146,7 @@ def test_counters_are_exact_on_a_hand_built_routing(mixtral_q8):
     s = store.stats()
     assert s["lowbit"]["fires"] == 5 and s["lowbit"]["saved_bytes"] == 5 * full
     assert s["lowbit"]["layers"][layer] == {"fires": 5, "saved_bytes": 5 * full}
-    assert s["lowbit"]["held_bytes"] == store.lowbit.pool.nbytes == copies_bytes(mixtral_q8)
+    assert s["lowbit"]["held_bytes"] == store.residency.lowbit.pool.nbytes == copies_bytes(mixtral_q8)
     assert s["lowbit"]["type"] == "q4_0"
     t = s["total"]
     assert (t["requests"], t["disk_misses"], t["disk_bytes"], t["computed_in_place"]) == (5, 0, 0, 5)
@@ -165,7 +167,7 @@ def test_budgets_hold_with_the_copies_charged(mixtral_q8, data):
     gguf, fixed, slot, layers, n_experts = plan(mixtral_q8)
     copies = copies_bytes(mixtral_q8)
     budget = fixed + copies + data.draw(st.integers(0, (len(layers) * n_experts + 1) * slot))
-    store = ExpertStore(gguf, CpuKernels(1), layers, "silu", StoreOptions(
+    store = ExpertStore(gguf, CpuKernels(1), layers, "silu", OffloadSettings(
         host_bytes=budget, miss_lowbit="q4_0",
         policy=data.draw(st.sampled_from(["lru", "lfu", "admit:2", "window:4"]))))
     for _ in range(data.draw(st.integers(1, 6), label="steps")):
@@ -176,11 +178,12 @@ def test_budgets_hold_with_the_copies_charged(mixtral_q8, data):
                   torch.rand(n_tokens, 2))
         held = store.held_bytes()["host"]
         assert held <= budget
-        assert held == store.pools["host"].nbytes + fixed + store.lowbit.pool.nbytes
-        assert set(store.slots["host"]) == store.policies["host"].resident()
-    with pytest.raises(MoeswapError, match=r"bytes of --miss-lowbit copies; give at least"):
+        assert held == store.residency.pools["host"].nbytes + fixed + store.residency.lowbit.pool.nbytes
+        assert set(store.residency.slots["host"]) == store.residency.policies["host"].resident()
+    with pytest.raises(MoeswapError,
+                       match=r"the --miss-lowbit copies \(\d+ bytes\); give at least"):
         ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                    StoreOptions(host_bytes=fixed + copies - 1, miss_lowbit="q4_0"))
+                    OffloadSettings(host_bytes=fixed + copies - 1, miss_lowbit="q4_0"))
 
 
 def test_unsupported_types_are_refused_by_name(mixtral_q8):

@@ -8,6 +8,7 @@ import moeswap
 from moeswap.cli import main
 from moeswap.experts.cost import Rates
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.memory import forward_working_bytes, kv_cache_bytes
 from moeswap.planner import auto
 from moeswap.planner.auto import HOST_RESERVE, Machine, auto_plan
 from moeswap.planner.llama_cpp import GPU_RESERVE
@@ -35,8 +36,8 @@ def sizes():
 def charged(sizes) -> int:
     """Shared weights + the store's KV charge + a forward's working memory + the staging ring:
     the host budget's floor."""
-    return (sizes.shared_bytes + sizes.store_kv_bytes(CONTEXT, 1, STEP)
-            + sizes.store_working_bytes(CONTEXT, 1, STEP) + sizes.top_k * sizes.slot_bytes)
+    return (sizes.shared_bytes + kv_cache_bytes(sizes.config, CONTEXT, 1, STEP)
+            + forward_working_bytes(sizes.config, STEP, CONTEXT, 1) + sizes.top_k * sizes.slot_bytes)
 
 
 def machine_with(free_host: int, gpu_free: int = 0) -> Machine:

@@ -22,6 +22,7 @@ from moeswap.routing.policies import ReuseTable
 from moeswap.planner.probe import Overheads
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
+from moeswap.memory import forward_working_bytes, kv_cache_bytes
 from moeswap.planner import plan_model, report
 from moeswap.planner.distributed import plan_multi_gpu
 from moeswap.planner.llama_cpp import EXPERT_PATTERN, GPU_RESERVE, plan_llama_cpp
@@ -83,7 +84,7 @@ def test_mixtral_byte_counts_by_hand(mixtral_file):
     # layers x (k, v) x kv heads x head size
     assert s.config.kv_floats_per_token_by_kind == (2 * 2 * 2 * 16, 0)
     assert s.kv_bytes(100, 2) == 128 * 2 * 100
-    assert s.store_kv_bytes(100) == 128 * 4 * 100
+    assert kv_cache_bytes(s.config, 100) == 128 * 4 * 100
     assert s.shared_bits_per_weight == 32.0
 
 
@@ -126,7 +127,8 @@ def test_fused_and_scaled_experts_counted(tmp_path):
 # --- moeswap's placement and refusals --------------------------------------------------------
 
 def _need(s, context):
-    return (s.shared_bytes + s.store_kv_bytes(context) + s.store_working_bytes(context, 1, 512)
+    return (s.shared_bytes + kv_cache_bytes(s.config, context)
+            + forward_working_bytes(s.config, 512, context, 1)
             + 2 * s.slot_bytes)
 
 
@@ -501,8 +503,9 @@ def test_replayed_lru_matches_the_stores_decode_hits(tmp_path, capsys):
     s = sizes_of(SHIPPED)
     slots = s.n_expert * len(s.moe_layers) // 4
     step, context = len(prompt.encode()) + 1, len(prompt.encode()) + 10  # as `run` charges
-    host = (s.shared_bytes + s.store_kv_bytes(context, 1, step)
-            + s.store_working_bytes(context, 1, step) + (s.top_k + slots) * s.slot_bytes)
+    host = (s.shared_bytes + kv_cache_bytes(s.config, context, 1, step)
+            + forward_working_bytes(s.config, step, context, 1)
+            + (s.top_k + slots) * s.slot_bytes)
 
     def store_counts(n_predict):
         capsys.readouterr()
@@ -533,8 +536,9 @@ def test_replayed_prompts_of_moeswap_trace_match_the_stores_runs(tmp_path, capsy
     hits = requests = 0
     for prompt in prompts:
         step, context = len(prompt.encode()) + 1, len(prompt.encode()) + 10  # as `run` charges
-        host = (s.shared_bytes + s.store_kv_bytes(context, 1, step)
-                + s.store_working_bytes(context, 1, step) + (s.top_k + slots) * s.slot_bytes)
+        host = (s.shared_bytes + kv_cache_bytes(s.config, context, 1, step)
+                + forward_working_bytes(s.config, step, context, 1)
+            + (s.top_k + slots) * s.slot_bytes)
         counts = []
         for n_predict in (1, 9):
             capsys.readouterr()

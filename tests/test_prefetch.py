@@ -17,7 +17,8 @@ import tiny_models
 from moeswap.experts.device import TorchDeviceSlots
 from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, IdleLink,
                                       Prefetcher, Throttle)
-from moeswap.experts.store import ExpertStore, StoreOptions
+from moeswap.experts.store import ExpertStore
+from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import piece_offsets
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -43,15 +44,15 @@ def other_family(request, tmp_path_factory):
 
 def held_on(store):
     """The throttle bypassed: prefetch runs from the first forward (it probes off first)."""
-    if store.prefetch is not None:
-        store.prefetch.throttle.forward = lambda n_tokens: True
+    if store.lookahead.prefetch is not None:
+        store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
     return store
 
 
 def reading_every_guess(store):
     """Held on, and the precision rules bypassed too: every guess is read, right or wrong."""
     if held_on(store).prefetch is not None:
-        store.prefetch._reads_wanted = lambda target, depth: True
+        store.lookahead.prefetch._reads_wanted = lambda target, depth: True
     return store
 
 
@@ -95,30 +96,30 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
     everything = len(layers) * n_experts
     host_budget = fixed + data.draw(st.integers(slot, (everything + 1) * slot), label="host extra")
     device_budget = data.draw(st.integers(0, 6 * slot), label="device budget")
-    options = StoreOptions(host_bytes=host_budget, device_bytes=device_budget,
+    options = OffloadSettings(host_bytes=host_budget, device_bytes=device_budget,
                            policy=data.draw(st.sampled_from(POLICIES)),
                            miss=data.draw(st.sampled_from(["auto", "compute", "transfer"])),
                            prefetch=data.draw(st.sampled_from(MODES)),
                            prefetch_depth=data.draw(st.integers(1, 4)))
     kernels = CpuKernels(1)
     store = reading_every_guess(ExpertStore(gguf, kernels, layers, "silu", options,
-                                            routers_of(deep_mixtral, layers)))
+                                            routers=routers_of(deep_mixtral, layers)))
     # without prefetch, with the host policy's capacity: the slots reserved for guesses less
     without = ExpertStore(gguf, kernels, layers, "silu",
                           replace(options, prefetch="off",
-                                  host_bytes=host_budget - store.guess_slots * slot))
+                                  host_bytes=host_budget - store.residency.guess_slots * slot))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
-    ahead = store._prefetch_ahead
+    ahead = store.lookahead.ahead
 
     def pinned_ahead(layer, x, ids):
         needed = {(layer, e) for e in ids.flatten().tolist()}
-        held = {tier: needed & set(store.slots[tier]) for tier in store.slots}
+        held = {tier: needed & set(store.residency.slots[tier]) for tier in store.residency.slots}
         ahead(layer, x, ids)
         for tier, keys in held.items():
-            assert keys <= set(store.slots[tier]), (tier, keys)
+            assert keys <= set(store.residency.slots[tier]), (tier, keys)
 
-    store._prefetch_ahead = pinned_ahead
+    store.lookahead.ahead = pinned_ahead
     for _ in range(data.draw(st.integers(1, 4), label="forwards")):
         n_tokens = data.draw(st.integers(1, 3))
         for layer in layers:
@@ -131,18 +132,18 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
             held = store.held_bytes()
             for tier, budget in (("host", host_budget), ("device", device_budget)):
                 assert held[tier] <= budget
-                assert set(store.slots[tier]) == store.policies[tier].resident()
+                assert set(store.residency.slots[tier]) == store.residency.policies[tier].resident()
                 # guesses stay outside the policies: they decide exactly as without prefetch
-                assert store.policies[tier].resident() == without.policies[tier].resident()
-            assert not set(store.guesses.slots) & set(store.slots["host"])
-            assert len(store.pools["host"].holder) == len(store.slots["host"]) + \
-                len(store.guesses.slots)
-    store.guesses.settle_all()  # let reads in flight land, then check every slot's bytes
+                assert store.residency.policies[tier].resident() == without.policies[tier].resident()
+            assert not set(store.residency.guesses.slots) & set(store.residency.slots["host"])
+            assert len(store.residency.pools["host"].holder) == len(store.residency.slots["host"]) + \
+                len(store.residency.guesses.slots)
+    store.residency.guesses.settle_all()  # let reads in flight land, then check every slot's bytes
     held = [(tier, key, index) for tier in ("host", "device")
-            for key, index in store.slots[tier].items()]
-    held += [("host", key, store.guesses.slots[key]) for key in store.guesses.filled]
+            for key, index in store.residency.slots[tier].items()]
+    held += [("host", key, store.residency.guesses.slots[key]) for key in store.residency.guesses.filled]
     for tier, (lay, expert), index in held:
-        layout, in_slot = store.layouts[lay], store.pools[tier].slot(index)
+        layout, in_slot = store.layouts[lay], store.residency.pools[tier].slot(index)
         for part, offset in zip(layout.parts, piece_offsets(layout)):
             start = part.data_start + expert * part.expert_bytes
             assert np.array_equal(in_slot[offset:offset + part.expert_bytes],
@@ -158,13 +159,13 @@ def _gated_store(path, prefetch: str, depth: int):
     fixed, slot, layers, n_experts = plan(path)
     kernels = CpuKernels(1)
     store = ExpertStore(gguf, kernels, layers, "silu",
-                        StoreOptions(host_bytes=fixed + len(layers) * n_experts * slot,
+                        OffloadSettings(host_bytes=fixed + len(layers) * n_experts * slot,
                                      prefetch=prefetch, prefetch_depth=depth),
-                        routers_of(path, layers))
-    gate, read = threading.Event(), store.worker.disk.read_expert
-    store.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
-    wait = store.worker.wait  # were the store to need the held read, it gets it
-    store.worker.wait = lambda job: (gate.set(), wait(job))[1]
+                        routers=routers_of(path, layers))
+    gate, read = threading.Event(), store.lookahead.worker.disk.read_expert
+    store.lookahead.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
+    wait = store.lookahead.worker.wait  # were the store to need the held read, it gets it
+    store.lookahead.worker.wait = lambda job: (gate.set(), wait(job))[1]
     return store, gate, QuantResidentExperts(gguf, kernels, layers, "silu"), layers, n_experts
 
 
@@ -172,19 +173,19 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
     store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "gate", 2)
     reading_every_guess(store)  # every guess is wrong here: read all the same
     x, weights = torch.randn(1, 64), torch.rand(1, 2)
-    cancelled, cancel = [], store.worker.cancel
-    store.worker.cancel = lambda job: cancel(job) and not cancelled.append(job) or job in cancelled
+    cancelled, cancel = [], store.lookahead.worker.cancel
+    store.lookahead.worker.cancel = lambda job: cancel(job) and not cancelled.append(job) or job in cancelled
     for layer in layers:  # every layer asks for experts nobody guessed: every guess goes stale
-        unguessed = [e for e in range(n_experts) if (layer, e) not in store.guesses]
+        unguessed = [e for e in range(n_experts) if (layer, e) not in store.residency.guesses]
         ids = torch.tensor([unguessed[:2]])
         assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
     assert not gate.is_set()
-    assert store.prefetch.counts.cancelled == len(cancelled) > 0
+    assert store.lookahead.prefetch.counts.cancelled == len(cancelled) > 0
     # the last layer has run: at most the read held at the gate is left (if the worker started
     # it in time), every queued one was cancelled and its slot freed: no slot waits without bytes
-    assert [job.state for job in store.guesses.reads.values()] in ([], ["running"])
-    guessed = set(store.guesses.slots)
-    assert guessed == set(store.guesses.reads) | store.guesses.filled
+    assert [job.state for job in store.residency.guesses.reads.values()] in ([], ["running"])
+    guessed = set(store.residency.guesses.slots)
+    assert guessed == set(store.residency.guesses.reads) | store.residency.guesses.filled
     assert not {(job.layout.layer, job.expert) for job in cancelled} & guessed
     gate.set()
     job = cancelled[0]  # asked for later, it is read then, bit for bit
@@ -192,7 +193,7 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
     out = store.run(job.layout.layer, x, ids, weights)
     assert torch.equal(out, resident.run(job.layout.layer, x, ids, weights))
     store.close()
-    assert not store.worker._thread.is_alive()
+    assert not store.lookahead.worker._thread.is_alive()
 
 
 def _eye_router(n: int, top_k: int) -> Router:
@@ -274,8 +275,8 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     fixed, slot, layers, n_experts = plan(deep_mixtral)
     kernels = CpuKernels(1)
     store = ExpertStore(gguf, kernels, layers, "silu",
-                        StoreOptions(host_bytes=fixed + 3 * slot, prefetch="both",
-                                     prefetch_depth=4), routers_of(deep_mixtral, layers))
+                        OffloadSettings(host_bytes=fixed + 3 * slot, prefetch="both",
+                                     prefetch_depth=4), routers=routers_of(deep_mixtral, layers))
     reading_every_guess(store)  # random routing: no guess would earn its reads
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     generator = torch.Generator().manual_seed(1)
@@ -289,8 +290,8 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
                                resident.run(layer, x, ids, weights))
         threads.append(threading.active_count())
     assert len(set(threads[1:])) == 1
-    assert store.prefetch.counts.reads > 0
-    assert len(store.guesses.reads) <= store.prefetch.queue_bound
+    assert store.lookahead.prefetch.counts.reads > 0
+    assert len(store.residency.guesses.reads) <= store.lookahead.prefetch.queue_bound
     store.close()
     assert threading.active_count() == threads[-1] - 1
 
@@ -373,10 +374,10 @@ def test_idle_link_budget_is_the_off_forwards_idle_time_at_the_read_rate():
 def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral):
     store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "both", 4)
     reading_every_guess(store)
-    calls, guesses = [], store.prefetch.guesses
-    store.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
+    calls, guesses = [], store.lookahead.prefetch.guesses
+    store.lookahead.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
     plan_on = iter([True, False, False])
-    store.prefetch.throttle.forward = lambda n_tokens: next(plan_on)
+    store.lookahead.prefetch.throttle.forward = lambda n_tokens: next(plan_on)
     generator = torch.Generator().manual_seed(2)
     for forward in range(3):
         for layer in layers[:2]:  # two MoE layers: reads for layers 1-4 stay queued at the gate
@@ -386,11 +387,11 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
             assert torch.equal(store.run(layer, x, ids, weights),
                                resident.run(layer, x, ids, weights))
         if forward == 0:
-            assert calls == layers[:2] and store.worker.waiting > 0
+            assert calls == layers[:2] and store.lookahead.worker.waiting > 0
     assert calls == layers[:2]  # off: no prediction at all
-    assert store.worker.waiting == 0 and store.prefetch._pending == {}
+    assert store.lookahead.worker.waiting == 0 and store.lookahead.prefetch._pending == {}
     # at most the read held at the gate is left, running (settled when its slot is next used)
-    assert [job.state for job in store.guesses.reads.values()] in ([], ["running"])
+    assert [job.state for job in store.residency.guesses.reads.values()] in ([], ["running"])
     gate.set()
     store.close()
 
@@ -453,11 +454,11 @@ def _device_store(path, device_slots, prefetch):
     gguf = GGUFFile.open(path)
     fixed, slot, layers, n_experts = plan(path)
     store = ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                        StoreOptions(host_bytes=fixed + 2 * len(layers) * slot,
+                        OffloadSettings(host_bytes=fixed + 2 * len(layers) * slot,
                                      device_bytes=device_slots * slot, miss="transfer",
                                      device_backend="cpu", prefetch=prefetch, prefetch_depth=2),
-                        routers_of(path, layers))
-    store.pools["device"].copies = _DeferredCopies()
+                        routers=routers_of(path, layers))
+    store.residency.pools["device"].copies = _DeferredCopies()
     return reading_every_guess(store)
 
 
@@ -466,7 +467,7 @@ def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtra
     device_slots = 5
     with_prefetch = _device_store(deep_mixtral, device_slots, "gate")
     without = _device_store(deep_mixtral, device_slots, "off")
-    routers = with_prefetch.prefetch.routers
+    routers = with_prefetch.lookahead.prefetch.routers
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
     generator = torch.Generator().manual_seed(3)
     for step in range(12):
@@ -474,19 +475,19 @@ def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtra
         for layer in layers:
             ids, weights = routers[layer](x)
             needed = {(layer, e) for e in ids.flatten().tolist()}
-            on_device = needed & set(with_prefetch.slots["device"])
+            on_device = needed & set(with_prefetch.residency.slots["device"])
             assert torch.equal(with_prefetch.run(layer, x, ids, weights),
                                without.run(layer, x, ids, weights))  # both computed there
             assert with_prefetch.held_bytes()["device"] <= device_slots * slot
-            assert on_device <= set(with_prefetch.slots["device"])  # guesses evicted none
-            pending = with_prefetch._to_upload
+            assert on_device <= set(with_prefetch.residency.slots["device"])  # guesses evicted none
+            pending = with_prefetch.lookahead._to_upload
             assert all(key[0] > layer for key in pending)  # stale device guesses dropped
-    assert with_prefetch.prefetch.counts.uploads > 0
+    assert with_prefetch.lookahead.prefetch.counts.uploads > 0
     assert with_prefetch.stats()["total"]["device_hits"] > without.stats()["total"]["device_hits"]
-    pool = with_prefetch.pools["device"]
+    pool = with_prefetch.residency.pools["device"]
     if pool.copies.queue:  # the copies still in flight land
         pool.copies.run_until(pool.copies.queue[-1][2])
-    for key, index in with_prefetch.slots["device"].items():  # every slot holds its expert
+    for key, index in with_prefetch.residency.slots["device"].items():  # every slot holds its expert
         layout = with_prefetch.layouts[key[0]]
         for part, offset in zip(layout.parts, piece_offsets(layout)):
             start = part.data_start + key[1] * part.expert_bytes

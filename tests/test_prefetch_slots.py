@@ -14,7 +14,8 @@ from hypothesis import given, settings, strategies as st
 
 import tiny_models
 from moeswap.experts.guesses import reserved_slots
-from moeswap.experts.store import ExpertStore, StoreOptions
+from moeswap.experts.store import ExpertStore
+from moeswap.experts.settings import OffloadSettings
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
 from moeswap.models.quant_experts import QuantResidentExperts
@@ -39,19 +40,19 @@ def _fixed_guess_store(path, guesses_at: dict, host_slots: int = 4):
     gguf = GGUFFile.open(path)
     fixed, slot, layers, _ = plan(path)
     store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                                StoreOptions(host_bytes=fixed + host_slots * slot, prefetch="gate",
-                                             prefetch_depth=2), routers_of(path, layers)))
-    asked, submit = [], store.guesses.submit
-    store.prefetch.guesses = lambda layer, x, ids: asked.append(layer) or guesses_at.get(layer, [])
+                                OffloadSettings(host_bytes=fixed + host_slots * slot, prefetch="gate",
+                                             prefetch_depth=2), routers=routers_of(path, layers)))
+    asked, submit = [], store.residency.guesses.submit
+    store.lookahead.prefetch.guesses = lambda layer, x, ids: asked.append(layer) or guesses_at.get(layer, [])
 
     def submit_and_land():  # each batch of reads lands before the step goes on: deterministic
-        jobs = list(store.guesses.reads.values())
+        jobs = list(store.residency.guesses.reads.values())
         submit()
         for job in jobs:
             while job.state != "done":
                 time.sleep(0.001)
 
-    store.guesses.submit = submit_and_land
+    store.residency.guesses.submit = submit_and_land
     return store, QuantResidentExperts(gguf, store.kernels, layers, "silu"), asked
 
 
@@ -66,12 +67,12 @@ def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
     _step(store, resident, 0, [0, 1])  # the guesses for layer 0: none
     _step(store, resident, 1, [0, 1])  # four requested experts fill the four slots
     requested = {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert store.policies["host"].resident() == requested
+    assert store.residency.policies["host"].resident() == requested
     asked.clear()
     _step(store, resident, 2, [0, 1])  # evicts two requested (LRU), as without prefetch
-    assert asked == [] and not store.guesses.slots  # no room: nothing predicted, nothing read
-    assert store.policies["host"].resident() == {(1, 0), (1, 1), (2, 0), (2, 1)}
-    assert store.prefetch.counts.reads == 0
+    assert asked == [] and not store.residency.guesses.slots  # no room: nothing predicted, nothing read
+    assert store.residency.policies["host"].resident() == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert store.lookahead.prefetch.counts.reads == 0
     store.close()
 
 
@@ -79,31 +80,31 @@ def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
     store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
     _step(store, resident, 0, [0, 1])  # three guesses take three free slots; (0, 0) the fourth
     # (0, 1) needs a slot: the oldest guess gives its own, nothing requested is touched
-    assert list(store.guesses.slots) == [(2, 6), (3, 7)]
-    assert store.policies["host"].resident() == set(store.slots["host"]) == {(0, 0), (0, 1)}
+    assert list(store.residency.guesses.slots) == [(2, 6), (3, 7)]
+    assert store.residency.policies["host"].resident() == set(store.residency.slots["host"]) == {(0, 0), (0, 1)}
     _step(store, resident, 1, [0, 1])  # the two other guesses go, oldest first
-    assert not store.guesses.slots
-    assert store.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    counts = store.prefetch.counts
+    assert not store.residency.guesses.slots
+    assert store.residency.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    counts = store.lookahead.prefetch.counts
     assert (counts.reads, counts.used, counts.cancelled) == (3, 0, 0)
     assert counts.bytes_wasted == sum(store.layouts[layer].expert_bytes for layer in (2, 2, 3))
-    assert store.prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
+    assert store.lookahead.prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
     store.close()
 
 
 def test_a_used_guess_is_promoted_like_a_request(deep_mixtral):
     store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(1, 5)]})
     _step(store, resident, 0, [0, 1])  # the guess takes a free slot; the requests two more
-    assert list(store.guesses.slots) == [(1, 5)] and (1, 5) not in store.policies["host"]
-    before = store.disk.stats.bytes
+    assert list(store.residency.guesses.slots) == [(1, 5)] and (1, 5) not in store.residency.policies["host"]
+    before = store.residency.disk.stats.bytes
     _step(store, resident, 1, [5, 6])  # (1, 5) is used: into the policy, its bytes not read again
-    assert not store.guesses.slots and (1, 5) in store.policies["host"]
+    assert not store.residency.guesses.slots and (1, 5) in store.residency.policies["host"]
     stats = store.layer_stats[1]
     assert (stats.host_hits, stats.disk_misses) == (1, 1)
-    assert store.disk.stats.bytes - before == store.layouts[1].expert_bytes  # (1, 6) only
-    assert store.prefetch.counts.used == 1 and store.prefetch.counts.hidden_seconds > 0
+    assert store.residency.disk.stats.bytes - before == store.layouts[1].expert_bytes  # (1, 6) only
+    assert store.lookahead.prefetch.counts.used == 1 and store.lookahead.prefetch.counts.hidden_seconds > 0
     _step(store, resident, 2, [0, 1])  # LRU: the older requests go, the used guess stays
-    assert store.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
+    assert store.residency.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
     store.close()
 
 
@@ -116,38 +117,38 @@ def test_reserved_slots_are_top_k_per_layer_ahead_at_most_an_eighth():
 def test_reserved_slots_take_guesses_when_requests_fill_the_policy(deep_mixtral):
     # 16 host slots, depth 2: two reserved for guesses, the LRU policy holds 14
     store, resident, _ = _fixed_guess_store(deep_mixtral, guesses := {}, host_slots=16)
-    assert store.guess_slots == 2
+    assert store.residency.guess_slots == 2
     warm = [(layer, [0, 1]) for layer in range(5)] + [(0, [2, 3]), (1, [2, 3])]
     for layer, experts in warm:
         _step(store, resident, layer, experts)
     requested = {(layer, e) for layer, experts in warm for e in experts}
-    assert store.policies["host"].resident() == set(store.slots["host"]) == requested
-    assert store.pools["host"].n_free == 2 and store.prefetch.counts.reads == 0
+    assert store.residency.policies["host"].resident() == set(store.residency.slots["host"]) == requested
+    assert store.residency.pools["host"].n_free == 2 and store.lookahead.prefetch.counts.reads == 0
     guesses[2] = [(3, 6), (3, 7), (4, 5)]
     _step(store, resident, 2, [2, 3])  # the two best guesses take the reserve, the third waits;
     # the LRU victims (0, 0), (0, 1) kept there give their slots to the admissions, not the reads
-    assert list(store.guesses.slots) == [(3, 6), (3, 7)] and store.prefetch.counts.reads == 2
+    assert list(store.residency.guesses.slots) == [(3, 6), (3, 7)] and store.lookahead.prefetch.counts.reads == 2
     requested = requested - {(0, 0), (0, 1)} | {(2, 2), (2, 3)}  # LRU of 14, as without
-    assert store.policies["host"].resident() == set(store.slots["host"]) == requested
-    before = store.disk.stats.bytes
+    assert store.residency.policies["host"].resident() == set(store.residency.slots["host"]) == requested
+    before = store.residency.disk.stats.bytes
     _step(store, resident, 3, [6, 0])  # (3, 6) used: promoted, LRU's victim (1, 0) leaves
-    assert store.disk.stats.bytes == before  # a guess and a host hit: nothing read
-    assert store.policies["host"].resident() == requested - {(1, 0)} | {(3, 6)}
+    assert store.residency.disk.stats.bytes == before  # a guess and a host hit: nothing read
+    assert store.residency.policies["host"].resident() == requested - {(1, 0)} | {(3, 6)}
     # the victim keeps its slot in the reserve; (3, 7), its layer passed, is kept, counted
     # wasted; the reserve is whole
-    assert list(store.guesses.slots) == [(3, 7), (1, 0)] and not store.pools["host"].n_free
-    assert store.prefetch.counts.used == 1
-    assert store.prefetch.counts.bytes_wasted == store.layouts[3].expert_bytes
+    assert list(store.residency.guesses.slots) == [(3, 7), (1, 0)] and not store.residency.pools["host"].n_free
+    assert store.lookahead.prefetch.counts.used == 1
+    assert store.lookahead.prefetch.counts.bytes_wasted == store.layouts[3].expert_bytes
     hits = store.layer_stats[1].host_hits
     _step(store, resident, 1, [0, 4])  # (1, 0) again: a host hit, back in the policy, LRU's
     # victim (1, 1) kept; (1, 4) a miss, its victim (2, 0) kept, and its admission takes the
     # oldest kept slot, (3, 7)'s
-    assert store.disk.stats.bytes - before == store.layouts[1].expert_bytes
+    assert store.residency.disk.stats.bytes - before == store.layouts[1].expert_bytes
     assert store.layer_stats[1].host_hits == hits + 1
-    assert store.policies["host"].resident() == \
-        requested - {(1, 1), (2, 0)} | {(3, 6), (1, 4)} == set(store.slots["host"])
-    assert list(store.guesses.slots) == [(1, 1), (2, 0)] and not store.pools["host"].n_free
-    assert store.held_bytes()["host"] <= store.budgets["host"]
+    assert store.residency.policies["host"].resident() == \
+        requested - {(1, 1), (2, 0)} | {(3, 6), (1, 4)} == set(store.residency.slots["host"])
+    assert list(store.residency.guesses.slots) == [(1, 1), (2, 0)] and not store.residency.pools["host"].n_free
+    assert store.held_bytes()["host"] <= store.residency.budgets["host"]
     store.close()
 
 
@@ -164,13 +165,13 @@ def test_throttled_off_the_reserve_reads_what_prefetch_off_reads(wide_mixtral, d
     fixed, slot, layers, n_experts = plan(wide_mixtral)
     slots = data.draw(st.integers(8, len(layers) * n_experts), label="host slots")
     depth = data.draw(st.integers(1, 4), label="depth")
-    options = StoreOptions(host_bytes=fixed + slots * slot, policy="lru", prefetch="history",
+    options = OffloadSettings(host_bytes=fixed + slots * slot, policy="lru", prefetch="history",
                            prefetch_depth=depth)
     kernels = CpuKernels(1)
     reserve = ExpertStore(gguf, kernels, layers, "silu", options)
-    reserve.prefetch.throttle.forward = lambda n_tokens: False
-    assert reserve.guess_slots == min(2 * depth, slots // 8) > 0
-    off = ExpertStore(gguf, kernels, layers, "silu", StoreOptions(
+    reserve.lookahead.prefetch.throttle.forward = lambda n_tokens: False
+    assert reserve.residency.guess_slots == min(2 * depth, slots // 8) > 0
+    off = ExpertStore(gguf, kernels, layers, "silu", OffloadSettings(
         host_bytes=fixed + slots * slot, policy="lru", prefetch="off"))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     hot = data.draw(st.integers(2, n_experts), label="experts in use")  # skew: reuse happens
@@ -184,7 +185,7 @@ def test_throttled_off_the_reserve_reads_what_prefetch_off_reads(wide_mixtral, d
             assert torch.equal(reserve.run(layer, x, ids, weights), expected)
             assert torch.equal(off.run(layer, x, ids, weights), expected)
             assert _reads(reserve) == _reads(off)
-            held = set(reserve.slots["host"]) | set(reserve.guesses.slots)
-            assert held == set(off.slots["host"])
-    assert reserve.prefetch.counts.reads == 0
+            held = set(reserve.residency.slots["host"]) | set(reserve.residency.guesses.slots)
+            assert held == set(off.residency.slots["host"])
+    assert reserve.lookahead.prefetch.counts.reads == 0
     reserve.close()

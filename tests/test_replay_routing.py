@@ -11,7 +11,9 @@ import torch
 
 from gguf_builders import qwen3moe
 from moeswap.errors import MoeswapError
-from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+from moeswap.experts.store import shared_bytes
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -75,7 +77,7 @@ def store_factory(path, experts_per_layer: int, **options):
     config = config_from_gguf(gguf)
     slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in config.moe_layers])
     fixed = shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot
-    return ExpertStore.factory(StoreOptions(
+    return build_store(OffloadSettings(
         host_bytes=fixed + experts_per_layer * LAYERS * slot, **options))
 
 

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import moeswap
 from moeswap.context_window import ContextOverflow, fit_context
-from moeswap.experts.store import ExpertStore, StoreOptions
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.sampling import GREEDY, Sampler
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions, BatchScheduler
@@ -203,8 +204,8 @@ def test_concurrent_requests_are_decoded_together_and_equal_solo_runs(runtime):
 def test_batched_requests_share_expert_loads(tiny_path, tmp_path):
     """With room for fewer experts than the model has, four requests decoded together read
     fewer expert bytes than the same four one after another, and produce the same tokens."""
-    from moeswap.experts.options import kv_bytes_per_token
     from moeswap.experts.store import shared_bytes
+    from moeswap.memory import HostCharge
     from moeswap.experts.tiers import slot_bytes
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
@@ -214,11 +215,13 @@ def test_batched_requests_share_expert_loads(tiny_path, tmp_path):
     config = config_from_gguf(gguf)
     slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in config.moe_layers])
     ctx, n = 32, 4
-    fixed = shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot  # + staging
-    host = fixed + kv_bytes_per_token(config) * ctx * n + 3 * slot  # 3 of the 8 experts
+    charge = HostCharge.for_sequence(ctx * n)
+    fixed = charge.bytes(config, shared_bytes(gguf, config.moe_layers),
+                         config.n_expert_used * slot)
+    host = fixed + 3 * slot  # 3 of the 8 experts
 
     def run(together: bool):
-        factory = ExpertStore.factory(StoreOptions(host_bytes=host, context_tokens=ctx * n))
+        factory = build_store(OffloadSettings(host_bytes=host), charge)
         store_runtime = load(tiny_path, expert_runner=factory)
         prompts = [store_runtime.encode(p) for p in ("ab", "cdcd", "efg", "hhh")]
         outputs = {}
@@ -456,7 +459,7 @@ def test_template_injection_is_stopped_by_the_sandbox(tmp_path):
 
 
 def test_metrics_show_server_and_expert_store_series(tiny_path):
-    factory = ExpertStore.factory(StoreOptions(host_bytes=2**30, context_tokens=64 * 8))
+    factory = build_store(OffloadSettings(host_bytes=2**30), HostCharge.for_sequence(64 * 8))
     store_runtime = load(tiny_path, expert_runner=factory)
     with serve(store_runtime) as client:
         client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 3,

@@ -16,8 +16,10 @@ from fastapi.testclient import TestClient
 
 import moeswap
 import tiny_models
-from moeswap.experts.options import kv_bytes_per_token
-from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+from moeswap.memory import HostCharge
+from moeswap.experts.store import shared_bytes
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -39,6 +41,8 @@ def one_thread():
     yield
     torch.set_num_threads(previous)
 
+CHARGE = HostCharge.for_sequence(CTX * N_REQUESTS)  # every request's cache at once
+
 
 @pytest.fixture(scope="module")
 def q8_path(tmp_path_factory):
@@ -54,8 +58,8 @@ def host_budget(path) -> tuple[int, int]:
     config = config_from_gguf(gguf)
     layouts = [ExpertLayout.from_file(gguf, i) for i in config.moe_layers]
     slot = slot_bytes(layouts)
-    fixed = (shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot
-             + kv_bytes_per_token(config) * CTX * N_REQUESTS)
+    fixed = CHARGE.bytes(config, shared_bytes(gguf, config.moe_layers),
+                         config.n_expert_used * slot)
     return fixed + EXPERT_SLOTS * slot, fixed + sum(lay.n_experts for lay in layouts) * slot
 
 
@@ -115,7 +119,7 @@ def stream_text(client, prompt_ids: list[int]) -> str:
 def serve(path, host: int, together: bool):
     """Stream the 8 requests, all at once or one after another, from a fresh store-backed
     server: (streamed texts, each request's recorded logit rows, batch sizes, disk bytes)."""
-    factory = ExpertStore.factory(StoreOptions(host_bytes=host, context_tokens=CTX * N_REQUESTS))
+    factory = build_store(OffloadSettings(host_bytes=host), CHARGE)
     runtime = RecordingRuntime(moeswap.load(path, threads=1, expert_runner=factory,
                                             tokenizer_cache_dir=path.parent / "cache"))
     ids = prompts()

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from moeswap.errors import MoeswapError
+from moeswap.memory import HostCharge
 from moeswap.sampling import GREEDY, Sampler
 from moeswap.server.batching import BatchOptions, BatchScheduler
 from test_server import TEMPLATE, load, one_thread, write_model  # noqa: F401
@@ -76,16 +77,16 @@ def test_step_tokens_that_cannot_work_are_refused(options, message):
 def test_a_batch_charges_its_contexts_and_a_steps_working_memory(tmp_path):
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
-    from moeswap.server.budget import charged_bytes, step_working_bytes, store_kv_options
+    from moeswap.server.budget import batch_charge
 
     # the tiny model: vocabulary 32, 4 query heads, width 64, 512 bytes of KV per position
     config = config_from_gguf(GGUFFile.open(write_model(tmp_path, TEMPLATE)))
     options = BatchOptions(max_batch=2, ctx=32, step_tokens=4)
     # 4 bytes x (2 x 4 x 32 scores + 16 x 64 activations) per fed token, and 2 x 32 per logits
     # row: one per sequence the step feeds (at most the batch's two)
-    assert step_working_bytes(config, options) == 4 * (4 * (256 + 1024) + 2 * 64) == 20992
-    assert charged_bytes(config, options) == 2 * 32 * 512 + 20992 == 53760
-    odd = BatchOptions(max_batch=2, ctx=32, step_tokens=5)
-    assert charged_bytes(config, odd) == 64 * 512 + 4 * (5 * 1280 + 2 * 64)
-    assert store_kv_options(config, options) == dict(context_tokens=32, sequences=2,
-                                                     step_tokens=4, working_bytes=20992)
+    charge = batch_charge(options)
+    assert charge == HostCharge(context_tokens=32, sequences=2, step_tokens=4)
+    assert charge.working_bytes(config) == 4 * (4 * (256 + 1024) + 2 * 64) == 20992
+    assert charge.kv_bytes(config) + charge.working_bytes(config) == 2 * 32 * 512 + 20992 == 53760
+    odd = batch_charge(BatchOptions(max_batch=2, ctx=32, step_tokens=5))
+    assert odd.kv_bytes(config) + odd.working_bytes(config) == 64 * 512 + 4 * (5 * 1280 + 2 * 64)

@@ -10,8 +10,10 @@ from importlib import resources
 import pytest
 from fastapi.testclient import TestClient
 
-from moeswap.experts.options import kv_bytes_per_token
-from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+from moeswap.memory import HostCharge
+from moeswap.experts.store import shared_bytes
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -65,16 +67,15 @@ def store_sizes(tiny_path):
     config = config_from_gguf(gguf)
     layouts = [ExpertLayout.from_file(gguf, i) for i in config.moe_layers]
     slot = slot_bytes(layouts)
-    fixed = (shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot  # + staging
-             + kv_bytes_per_token(config) * CTX * 8)  # the KV cache of 8 batch slots
+    fixed = CHARGE.bytes(config, shared_bytes(gguf, config.moe_layers),
+                         config.n_expert_used * slot)
     return fixed, slot, layouts[0].expert_bytes
 
 
 def test_experts_report_every_experts_tier_last_use_and_the_store_counters(tiny_path):
     fixed, slot, expert_bytes = store_sizes(tiny_path)
     activity = ExpertActivity()
-    factory = ExpertStore.factory(StoreOptions(host_bytes=fixed + 8 * slot,  # all 8 fit
-                                               context_tokens=CTX * 8))
+    factory = build_store(OffloadSettings(host_bytes=fixed + 8 * slot), CHARGE)  # all 8 fit
     view = experts_after_one_completion(load(tiny_path, expert_runner=factory, recorder=activity),
                                         activity)
     steps = reference_steps(tiny_path, 2)
@@ -103,7 +104,7 @@ def test_experts_report_every_experts_tier_last_use_and_the_store_counters(tiny_
 def test_a_small_host_tier_holds_the_three_experts_lru_kept(tiny_path):
     fixed, slot, _ = store_sizes(tiny_path)
     activity = ExpertActivity()
-    factory = ExpertStore.factory(StoreOptions(host_bytes=fixed + 3 * slot, context_tokens=CTX * 8))
+    factory = build_store(OffloadSettings(host_bytes=fixed + 3 * slot), CHARGE)
     view = experts_after_one_completion(load(tiny_path, expert_runner=factory, recorder=activity),
                                         activity)
     # The store asks for each step's experts layer by layer, in ascending id order; LRU keeps

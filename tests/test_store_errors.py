@@ -93,7 +93,8 @@ def cut_inside_last_expert_tensor(source, target):
 
 
 def test_a_truncated_model_is_refused_before_any_expert_is_read(mixtral_file, tmp_path):
-    from moeswap.experts.store import ExpertStore, StoreOptions
+    from moeswap.experts.store import ExpertStore
+    from moeswap.experts.settings import OffloadSettings
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
     from moeswap.quant import CpuKernels
@@ -105,7 +106,7 @@ def test_a_truncated_model_is_refused_before_any_expert_is_read(mixtral_file, tm
                                            rf"{last.data_start}-{last.data_end} of tensor "
                                            rf"'{last.name}'; it is truncated: download"):
         ExpertStore(gguf, CpuKernels(1), config_from_gguf(gguf).moe_layers, "silu",
-                    StoreOptions(host_bytes=1 << 30))
+                    OffloadSettings(host_bytes=1 << 30))
 
 
 def test_a_read_past_the_end_names_the_file_tensor_and_bytes(mixtral_file, tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import tiny_models
-from moeswap.experts.options import held_positions, kv_bytes_per_token, kv_cache_bytes
+from moeswap.memory import held_positions, kv_bytes_per_token, kv_cache_bytes
 from moeswap.formats.config import ModelConfig
 from moeswap.models import KVCache, load_model
 
@@ -250,8 +250,10 @@ def test_gemma4_sliding_layers_have_their_own_heads():
 
 def test_the_store_charges_the_trimmed_cache_and_a_steps_working_memory(tmp_path):
     """GPT-OSS tiny in Q8_0: layers 0 and 2 slide, layer 1 is global, 2 kv heads of 16."""
-    from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+    from moeswap.experts.store import ExpertStore, shared_bytes
+    from moeswap.experts.settings import OffloadSettings
     from moeswap.formats.config import config_from_gguf
+    from moeswap.memory import HostCharge, forward_working_bytes
     from moeswap.formats.gguf_file import GGUFFile
     from moeswap.gguf_tools.convert import convert
     from moeswap.planner.sizes import model_sizes
@@ -262,30 +264,35 @@ def test_the_store_charges_the_trimmed_cache_and_a_steps_working_memory(tmp_path
     config = config_from_gguf(gguf)
     assert config.swa_layers == (True, False, True)
     assert config.kv_floats_per_token_by_kind == (2 * 2 * 16, 2 * 2 * 2 * 16)
-    options = StoreOptions(host_bytes=2**30, context_tokens=1000, sequences=3, step_tokens=16,
-                           working_bytes=777)
-    store = ExpertStore(gguf, CpuKernels(1), config.moe_layers, config.expert_act, options)
-    assert store.kv_bytes == 4 * 3 * (64 * 1000 + 128 * (WINDOW - 1 + 16)) == 798720
-    assert store.charged["host"] == (shared_bytes(gguf, config.moe_layers) + 798720 + 777
-                                     + store.staging.nbytes)
-    assert model_sizes(gguf).store_kv_bytes(1000, 3, 16) == store.kv_bytes  # the planner agrees
+    charge = HostCharge.for_batch(1000, 3, 16)
+    store = ExpertStore(gguf, CpuKernels(1), config.moe_layers, config.expert_act,
+                        OffloadSettings(host_bytes=2**30), charge)
+    assert store.residency.charge["kv_bytes"] == 4 * 3 * (64 * 1000 + 128 * (WINDOW - 1 + 16)) == 798720
+    working = forward_working_bytes(config, 16, 1000, 3)
+    assert store.residency.charged["host"] == (shared_bytes(gguf, config.moe_layers) + 798720 + working
+                                     + store.residency.staging.nbytes)
+    sizes = model_sizes(gguf)  # the planner agrees
+    assert sizes.host_charged(charge) == store.residency.charged["host"]
+    assert sizes.host_terms(charge)["kv_bytes"] == store.residency.charge["kv_bytes"]
 
 
 def test_a_model_loaded_with_the_store_sizes_its_caches_to_the_charge(tmp_path):
     """GPT-OSS tiny through load_model with the store charged for 50 positions fed 8 at a
     time: a new cache's buffers are the charged ones (full layer 50, sliding 4 + 8)."""
-    from moeswap.experts.store import ExpertStore, StoreOptions
+    from moeswap.experts.build import build_store
+    from moeswap.experts.settings import OffloadSettings
     from moeswap.gguf_tools.convert import convert
+    from moeswap.memory import HostCharge
 
     tiny_models.save("gpt_oss", tmp_path / "hf", sliding_window=WINDOW)
     path = convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0")
-    store = ExpertStore.factory(StoreOptions(host_bytes=2**30, context_tokens=50, step_tokens=8))
-    model = load_model(path, expert_runner=store)
+    store = build_store(OffloadSettings(host_bytes=2**30), HostCharge.for_sequence(50, 8))
+    model = load_model(path, expert_runner=store, context_tokens=50, step_tokens=8)
     cache = model.new_cache()
     model.forward([TOKENS[:3]], [cache])
     assert [buffer_slots(cache, layer) for layer in range(3)] == [WINDOW - 1 + 8, 50,
                                                                  WINDOW - 1 + 8]
-    assert store.store.kv_bytes == 4 * sum(s.keys.numel() + s.values.numel()
+    assert store.store.residency.charge["kv_bytes"] == 4 * sum(s.keys.numel() + s.values.numel()
                                            for s in cache._layers)
 
 

@@ -11,13 +11,14 @@ from contextlib import contextmanager
 
 import pytest
 
-from moeswap.experts.store import ExpertStore, StoreOptions
+from moeswap.experts.build import build_store
+from moeswap.experts.settings import OffloadSettings
 from moeswap.server.activity import ExpertActivity
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
 from test_server import MODEL, TEMPLATE, load, one_thread, solo_text, write_model  # noqa: F401
 from test_server_live import serve_app
-from test_server_page import CTX, store_sizes
+from test_server_page import CHARGE, CTX, store_sizes
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = [
@@ -65,7 +66,7 @@ def page_server(browser, tiny_path, **options):
     """The app on a free loopback port under uvicorn: a store holding 3 of the 8 experts."""
     fixed, slot, _ = store_sizes(tiny_path)
     activity = ExpertActivity()
-    factory = ExpertStore.factory(StoreOptions(host_bytes=fixed + 3 * slot, context_tokens=CTX * 8))
+    factory = build_store(OffloadSettings(host_bytes=fixed + 3 * slot), CHARGE)
     runtime = load(tiny_path, expert_runner=factory, recorder=activity)
     app = create_app(SlowRuntime(runtime), ServerOptions(MODEL, BatchOptions(ctx=CTX), **options),
                      activity)

@@ -1,5 +1,6 @@
 """One working-memory charge: ``forward_working_bytes``, which the planner (``moeswap plan``)
-and the server's budget both call, so a plan that fits is a batch the store accepts."""
+and the server's budget both reach through HostCharge, so a plan that fits is a batch the store
+accepts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 import tiny_models
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import forward_working_bytes
+from moeswap.memory import forward_working_bytes, kv_cache_bytes
 from moeswap.formats.config import ModelConfig
 
 
@@ -46,30 +47,31 @@ def test_plan_fits_exactly_when_serve_accepts(tiny_gguf, ctx, batch, step):
     """At the planner's need, check_fits passes and the store `moeswap serve` builds accepts
     its charge; a byte less, both refuse. Steps longer than the batch's contexts included:
     both charge no more tokens than the contexts hold."""
-    from moeswap.experts.store import ExpertStore, StoreOptions
+    from moeswap.experts.store import ExpertStore
+    from moeswap.experts.settings import OffloadSettings
     from moeswap.formats.config import config_from_gguf
     from moeswap.planner.placement import Budget, check_fits
     from moeswap.planner.sizes import model_sizes
     from moeswap.quant import CpuKernels
     from moeswap.server.batching import BatchOptions
-    from moeswap.server.budget import store_kv_options
+    from moeswap.server.budget import batch_charge
 
     config, sizes = config_from_gguf(tiny_gguf), model_sizes(tiny_gguf)
     options = BatchOptions(max_batch=batch, ctx=ctx, step_tokens=step)
-    need = (sizes.shared_bytes + sizes.store_kv_bytes(ctx, batch, step)
-            + sizes.store_working_bytes(ctx, batch, step)
+    need = (sizes.shared_bytes + kv_cache_bytes(config, ctx, batch, step)
+            + forward_working_bytes(config, step, ctx, batch)
             + max(sizes.top_k, 1) * sizes.slot_bytes)
     for host, fits in [(need, True), (need - 1, False)]:
         budget = Budget(device_bytes=0, host_bytes=host, context=ctx, batch=batch,
                         step_tokens=step)
-        store_options = StoreOptions(host_bytes=host, **store_kv_options(config, options))
+        settings = OffloadSettings(host_bytes=host)
         if fits:
             check_fits(sizes, budget)
             ExpertStore(tiny_gguf, CpuKernels(1), config.moe_layers, config.expert_act,
-                        store_options)
+                        settings, batch_charge(options))
         else:
             with pytest.raises(MoeswapError):
                 check_fits(sizes, budget)
             with pytest.raises(MoeswapError):
                 ExpertStore(tiny_gguf, CpuKernels(1), config.moe_layers, config.expert_act,
-                            store_options)
+                            settings, batch_charge(options))

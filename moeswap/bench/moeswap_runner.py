@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -33,20 +32,19 @@ class MoeswapSession:
 
 
 def run(spec: RunSpec) -> dict:
-    import moeswap
-    from moeswap.cli.offload_args import store_factory
+    from moeswap import runtime as engine
+    from moeswap.experts.build import load_options
+    from moeswap.planner.probe import cost_model_rates
 
     memory = MemoryTrace()
     memory.sample("start")
-    experts = None
-    if spec.offload is not None:
-        flags = SimpleNamespace(threads=spec.threads, **spec.offload)
-        experts = store_factory(flags, **store_charge(spec))
+    store = load_options(spec.offload, store_charge(spec),
+                         cost_model_rates(spec.offload, spec.threads))
     began = time.perf_counter()
-    runtime = moeswap.load(spec.model, threads=spec.threads, expert_runner=experts,
-                           replay_routing=spec.replay_routing)
+    runtime = engine.load(spec.model, threads=spec.threads, replay_routing=spec.replay_routing,
+                          **store)
     load_s = time.perf_counter() - began
-    if experts is not None:
+    if store:
         memory.stats = runtime.stats
     memory.sample("load")
     session = MoeswapSession(runtime.model, spec.prefill_chunk)

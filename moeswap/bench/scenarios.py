@@ -13,19 +13,21 @@ Scenarios (inputs shipped in the package, ``moeswap/bench/inputs/``):
 
 Every run is a ``RunSpec``, a plain record a worker process executes (moeswap.bench.worker).
 A moeswap run with an expert store charges its host budget what the command it stands for
-charges (``store_charge``): prompts run one after another as `moeswap run` charges its one
-sequence, the batch8 run (the server's scheduler) as `moeswap serve` charges a batch, both fed
-``prefill_chunk`` tokens per forward (their ``--step-tokens``).
+charges (``store_charge``, a moeswap.memory.HostCharge): prompts run one after another as
+`moeswap run` charges its one sequence, the batch8 run (the server's scheduler) as `moeswap
+serve` charges a batch, both fed ``prefill_chunk`` tokens per forward (their ``--step-tokens``).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from moeswap.errors import MoeswapError
+from moeswap.experts.settings import OffloadSettings
+from moeswap.formats.config import ModelConfig
+from moeswap.memory import HostCharge
 
 SCENARIOS = ("long", "batch8", "conflict", "window-sweep", "resident-sweep")
 ENGINES = ("moeswap", "llama.cpp")
@@ -54,7 +56,7 @@ class RunSpec:
     gen_tokens: int
     n_ctx: int  # positions per sequence, given to both engines explicitly
     batched: bool = False  # moeswap: all prompts through the server's batch scheduler
-    offload: dict | None = None  # the offload flags' values (moeswap.cli.offload_args)
+    offload: OffloadSettings | None = None  # the expert store's; None: all resident
     budget_bytes: int | None = None  # the RAM budget given; None: the engine takes no budget
     resident_per_layer: int | None = None  # resident-sweep's x
     window: int | None = None  # window-sweep's x
@@ -64,7 +66,8 @@ class RunSpec:
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "prompts"} | {
-            "prompt_lengths": [len(p) for p in self.prompts]}
+            "prompt_lengths": [len(p) for p in self.prompts],
+            "offload": asdict(self.offload) if self.offload is not None else None}
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class ModelFacts:
     moe_layers: int
     slot_bytes: int
     shared_bytes: int
+    config: ModelConfig = field(repr=False)
 
     @classmethod
     def of(cls, path: str) -> "ModelFacts":
@@ -116,14 +120,17 @@ class ModelFacts:
         layouts = [ExpertLayout.from_file(gguf, i) for i in config.moe_layers]
         return cls(str(path), Path(path).stat().st_size, config.n_expert, config.n_expert_used,
                    len(config.moe_layers), slot_bytes(layouts),
-                   shared_bytes(gguf, config.moe_layers))
+                   shared_bytes(gguf, config.moe_layers), config)
 
-    def budget(self, experts_per_layer: int, charged: int) -> int:
+    def as_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "config"}
+
+    def budget(self, experts_per_layer: int, charge: HostCharge) -> int:
         """The host budget that leaves room for ``experts_per_layer`` experts in every MoE layer
-        beside the shared weights, ``charged`` (a run's KV caches and step, charged_bytes) and
-        the store's staging slots (one per pick)."""
-        fixed = self.shared_bytes + charged
-        return fixed + (self.n_used + experts_per_layer * self.moe_layers) * self.slot_bytes
+        beside what the store charges for ``charge`` (its staging slots: one per pick)."""
+        staging = max(self.n_used, 1) * self.slot_bytes
+        fixed = charge.bytes(self.config, self.shared_bytes, staging)
+        return fixed + experts_per_layer * self.moe_layers * self.slot_bytes
 
 
 def batch_options(spec: RunSpec):
@@ -135,41 +142,15 @@ def batch_options(spec: RunSpec):
     return BatchOptions(max_batch=n, queue_size=n, ctx=spec.n_ctx, step_tokens=spec.prefill_chunk)
 
 
-def store_charge(spec: RunSpec) -> dict[str, int]:
-    """store_factory's charge for ``spec`` run with an expert store: a batched run's as `moeswap
-    serve` charges its batch (moeswap.server.budget), otherwise as `moeswap run` charges one
-    sequence (one prompt's cache at a time) fed at most ``prefill_chunk`` tokens per forward."""
-    from moeswap.cli.offload_args import sequence_charge
-    from moeswap.server.budget import store_kv_options
+def store_charge(spec: RunSpec) -> HostCharge:
+    """What ``spec`` run with an expert store charges: a batched run as `moeswap serve` charges
+    its batch (moeswap.server.budget), otherwise as `moeswap run` charges one sequence (one
+    prompt's cache at a time) fed at most ``prefill_chunk`` tokens per forward."""
+    from moeswap.server.budget import batch_charge
 
     if spec.batched:
-        return store_kv_options(model_config(spec.model), batch_options(spec))
-    step = min(spec.prefill_chunk, max(map(len, spec.prompts)))
-    # sequence_charge charges nothing without --host-mem; the charge asked for is a store's
-    return sequence_charge(SimpleNamespace(host_mem="given"), spec.model, spec.n_ctx, step)
-
-
-def charged_bytes(spec: RunSpec) -> int:
-    """Host bytes the store charges for ``store_charge(spec)`` besides weights and staging: the
-    KV caches and a step's working memory (as moeswap.experts.store.ExpertStore counts them)."""
-    from moeswap.experts.options import kv_cache_bytes
-
-    charge = store_charge(spec)
-    kv = kv_cache_bytes(model_config(spec.model), charge["context_tokens"],
-                        charge.get("sequences", 1), charge["step_tokens"])
-    return kv + charge["working_bytes"]
-
-
-def model_config(path: str):
-    """The model's ModelConfig, from the GGUF header."""
-    from moeswap.formats.config import config_from_gguf
-    from moeswap.formats.gguf_file import GGUFFile
-
-    gguf = GGUFFile.open(path)
-    try:
-        return config_from_gguf(gguf)
-    finally:
-        gguf.close()
+        return batch_charge(batch_options(spec))
+    return HostCharge.for_sequence(spec.n_ctx, min(spec.prefill_chunk, max(map(len, spec.prompts))))
 
 
 @dataclass(frozen=True)
@@ -180,7 +161,9 @@ class Plan:
     scenarios: tuple[str, ...]
     sizes: Sizes
     threads: int
-    offload: dict  # the offload flags as given (host_mem None: the bench picks a budget)
+    offload: OffloadSettings  # the offload flags; its host_bytes is replaced per run
+    host_mem: str | None = None  # --host-mem as given (None: the bench picks a budget)
+    replay_routing: str | None = None  # a trace whose routing replaces the router's
     compare: tuple[str, ...] = ENGINES
     windows: tuple[int, ...] = (8, 32, 128)
     resident: tuple[int, ...] = (0, 4, 8, 16)
@@ -212,27 +195,28 @@ def build_runs(plan: Plan, inputs: Inputs, encode, facts: ModelFacts) -> list[Ru
         prompts, n_ctx = inputs_of[scenario]
         base = RunSpec(scenario, "", "moeswap", plan.model, plan.threads, prompts,
                        s.gen_tokens, n_ctx, batched=scenario == "batch8",
-                       replay_routing=plan.offload.get("replay_routing"))
-        runs += [r for r in scenario_runs(plan, base, facts, charged_bytes(base))
+                       replay_routing=plan.replay_routing)
+        runs += [r for r in scenario_runs(plan, base, facts, store_charge(base))
                  if r.engine in plan.compare]
     return runs
 
 
-def scenario_runs(plan: Plan, base: RunSpec, facts: ModelFacts, charged: int) -> list[RunSpec]:
-    """moeswap's runs and llama.cpp's beside them for one scenario. ``charged``: what a store
-    charges the host budget for the scenario's KV caches and step (charged_bytes)."""
-    from moeswap.experts.options import parse_size
+def scenario_runs(plan: Plan, base: RunSpec, facts: ModelFacts,
+                  charge: HostCharge) -> list[RunSpec]:
+    """moeswap's runs and llama.cpp's beside them for one scenario. ``charge``: what a store
+    charges the host budget for the scenario's KV caches and step (store_charge)."""
+    from moeswap.memory import parse_size
 
-    policy, given = plan.offload["policy"], plan.offload["host_mem"]
+    policy, given = plan.offload.policy, plan.host_mem
     quarter = max(facts.n_expert // 4, 1)  # without --host-mem: a quarter of each layer's experts
-    budget = parse_size(given) if given else facts.budget(quarter, charged)
+    budget = parse_size(given) if given else facts.budget(quarter, charge)
     budget_text = given or f"{quarter} experts/layer"
 
     replayed = " (replayed)" if base.replay_routing else ""  # labelled in every table
 
-    def offload(label: str, host_bytes: int, **fields) -> RunSpec:
-        flags = dict(plan.offload, host_mem=str(host_bytes), **fields.pop("flags", {}))
-        return replace(base, label=label + replayed, offload=flags, budget_bytes=host_bytes,
+    def offload(label: str, host_bytes: int, policy: str = policy, **fields) -> RunSpec:
+        settings = replace(plan.offload, host_bytes=host_bytes, policy=policy)
+        return replace(base, label=label + replayed, offload=settings, budget_bytes=host_bytes,
                        **fields)
 
     resident = replace(base, label="moeswap all resident" + replayed)
@@ -246,8 +230,8 @@ def scenario_runs(plan: Plan, base: RunSpec, facts: ModelFacts, charged: int) ->
                 llama_full, llama_mmap]
     if base.scenario == "window-sweep":
         return [offload(f"moeswap window:{n}, host {budget_text}", budget, window=n,
-                        flags={"policy": f"window:{n}"}) for n in plan.windows] + [llama_full]
+                        policy=f"window:{n}") for n in plan.windows] + [llama_full]
     counts = sorted({min(n, facts.n_expert) for n in plan.resident})
-    return [offload(f"moeswap {policy}, {n} resident/layer", facts.budget(n, charged),
+    return [offload(f"moeswap {policy}, {n} resident/layer", facts.budget(n, charge),
                     resident_per_layer=n) for n in counts
             ] + [resident, llama_full]

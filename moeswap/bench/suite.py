@@ -48,7 +48,7 @@ def run_bench(plan: Plan, inputs_dir: Path, out_dir: Path, timeout_s: float | No
             progress.advance(task)
     report = {"command": command, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": machine(), "load_average": {"start": load_before, "end": load_average()},
-              "versions": versions(), "model": asdict(facts),
+              "versions": versions(), "model": facts.as_dict(),
               "sizes": asdict(plan.sizes), "threads": plan.threads, "runs": records}
     (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out_dir / "report.md").write_text(markdown(report) + "\n")

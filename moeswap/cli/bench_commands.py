@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
 from pathlib import Path
 
 from moeswap.bench.scenarios import SCENARIOS
-from moeswap.cli.offload_args import add_offload_arguments
+from moeswap.cli.offload_args import add_offload_arguments, offload_settings
 from moeswap.errors import MoeswapError
 
 INPUTS = Path(__file__).resolve().parents[1] / "bench" / "inputs"  # shipped as package data
@@ -56,13 +55,6 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
         raise MoeswapError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
 
 
-def offload_flags(args) -> dict:
-    """The values of every offload flag (whatever add_offload_arguments defines)."""
-    probe = argparse.ArgumentParser(add_help=False)
-    add_offload_arguments(probe)
-    return {name: getattr(args, name) for name in vars(probe.parse_args([]))}
-
-
 def run_bench_command(args) -> int:
     from dataclasses import replace
 
@@ -71,6 +63,7 @@ def run_bench_command(args) -> int:
     import moeswap
     from moeswap.bench.scenarios import ENGINES, SIZES, Plan
     from moeswap.bench.suite import run_bench
+    from moeswap.memory import parse_size
 
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     unknown = [s for s in scenarios if s not in SCENARIOS]
@@ -91,8 +84,10 @@ def run_bench_command(args) -> int:
     model = args.model or moeswap.DEFAULT_MODEL
     if not Path(model).is_file():
         raise MoeswapError(f"{model}: no such file; give a .gguf MoE model")
+    # the bench sets each run's host budget: the flags' other settings, typed once
+    settings = offload_settings(args, (0, parse_size(args.device_mem or "0")))
     plan = Plan(model=str(model), scenarios=scenarios, sizes=sizes, threads=args.threads,
-                offload=offload_flags(args),
+                offload=settings, host_mem=args.host_mem, replay_routing=args.replay_routing,
                 compare=ENGINES if args.compare else ("moeswap",),
                 windows=int_list(args.windows, "--windows"),
                 resident=int_list(args.resident, "--resident"))

@@ -12,7 +12,7 @@ from moeswap.experts.cost import MISS_MODES
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    from moeswap.experts.options import LOWBIT_TYPES, PREDICTORS
+    from moeswap.experts.settings import LOWBIT_TYPES, PREDICTORS
     from moeswap.routing.policy_specs import POLICY_HELP
 
     g = p.add_argument_group("expert offload (GGUF files)")
@@ -57,7 +57,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
 def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
     """``--step-tokens``, as `moeswap run`, `chat` and `serve` (``scope``: its words on what a
     step carries) and `moeswap plan` share it."""
-    from moeswap.experts.options import STEP_TOKENS
+    from moeswap.memory import STEP_TOKENS
 
     p.add_argument("--step-tokens", type=int, default=STEP_TOKENS, metavar="N",
                    help=f"most tokens one forward feeds{scope}; longer prompts are prefilled in "
@@ -66,58 +66,38 @@ def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> Non
                         f"({STEP_TOKENS}: llama.cpp's n_ubatch)")
 
 
-def sequence_charge(args, model_path, context_tokens: int, step_tokens: int) -> dict[str, int]:
-    """store_factory's charge for one sequence of ``context_tokens`` positions fed at most
-    ``step_tokens`` per forward: its KV cache and a forward's working memory (read from the
-    GGUF header; without a store nothing is charged, and a folder the loader refuses)."""
-    from pathlib import Path
-
-    charge = dict(context_tokens=context_tokens, step_tokens=step_tokens)
-    if args.host_mem is None or not Path(model_path).is_file():
-        return charge
-    from moeswap.experts.options import forward_working_bytes
-    from moeswap.formats.config import config_from_gguf
-    from moeswap.formats.gguf_file import GGUFFile
-
-    gguf = GGUFFile.open(model_path)
-    try:
-        config = config_from_gguf(gguf)
-    finally:
-        gguf.close()
-    return charge | dict(working_bytes=forward_working_bytes(config, step_tokens, context_tokens))
-
-
-def store_factory(args, context_tokens: int, sequences: int = 1, step_tokens: int = 0,
-                  working_bytes: int = 0):
-    """The expert runner the flags ask for, or None for all-resident. The host budget is
-    charged for ``sequences`` KV caches of ``context_tokens`` positions fed at most
-    ``step_tokens`` per forward (0: a whole context), and ``working_bytes`` for a step."""
+def offload_settings(args, budgets: tuple[int | None, int] | None = None):
+    """The offload flags typed once: an OffloadSettings, or None for all-resident (no
+    --host-mem). ``budgets``: (host, device) bytes a plan chose (host None: all resident),
+    in place of --host-mem and --device-mem."""
     from moeswap.errors import MoeswapError
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.memory import parse_size
 
-    if args.host_mem is None:
+    host, device = budgets or (parse_size(args.host_mem) if args.host_mem is not None else None,
+                               parse_size(args.device_mem or "0"))
+    if host is None:
         if args.miss_lowbit:  # an approximation must not be asked for and silently skipped
             raise MoeswapError("--miss-lowbit needs the expert store: give --host-mem too")
         return None
-    from moeswap.experts.options import parse_size
-    from moeswap.experts.store import ExpertStore, StoreOptions
-
     if args.prefetch_depth < 0:
         raise MoeswapError(f"--prefetch-depth must be 0 or more, got {args.prefetch_depth}")
-    device = parse_size(args.device_mem or "0")
     import torch
 
-    backend = "cuda" if device and torch.cuda.is_available() else "ram"
-    rates = None
-    if device and args.miss == "auto":
-        from moeswap.planner.probe import cached_rates
+    return OffloadSettings(
+        host_bytes=host, device_bytes=device, policy=args.policy, miss=args.miss,
+        threshold=args.expert_threshold, cold_reads=args.cold_reads,
+        device_backend="cuda" if device and torch.cuda.is_available() else "ram",
+        prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit)
 
-        rates = cached_rates(args.threads)
-    return ExpertStore.factory(StoreOptions(
-        host_bytes=parse_size(args.host_mem), device_bytes=device, context_tokens=context_tokens,
-        policy=args.policy, miss=args.miss, threshold=args.expert_threshold,
-        sequences=sequences, step_tokens=step_tokens, working_bytes=working_bytes,
-        cold_reads=args.cold_reads, rates=rates, device_backend=backend, prefetch=args.prefetch,
-        prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit))
+
+def offload_load_options(settings, charge, threads: int | None) -> dict:
+    """``moeswap.load``'s options for ``settings`` (None: all resident): the store paying
+    ``charge``, with this machine's probed rates where the cost model needs them."""
+    from moeswap.experts.build import load_options
+    from moeswap.planner.probe import cost_model_rates
+
+    return load_options(settings, charge, cost_model_rates(settings, threads))
 
 
 def stats_lines(stats: dict) -> list[str]:

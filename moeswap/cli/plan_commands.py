@@ -39,7 +39,7 @@ def register(subparsers) -> None:
 
 def run_plan(args) -> int:
     from moeswap.errors import MoeswapError
-    from moeswap.experts.options import parse_size
+    from moeswap.memory import parse_size
     from moeswap.generate import check_step_tokens
     from moeswap.planner import plan_model, report
     from moeswap.planner.placement import Budget

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
-                                      sequence_charge, stats_lines, store_factory)
+                                      offload_load_options, offload_settings, stats_lines)
 from moeswap.errors import MoeswapError
 
 
@@ -42,6 +42,7 @@ def run_generate(args) -> int:
     from dataclasses import asdict
 
     from moeswap.generate import GenerationStats, check_step_tokens
+    from moeswap.memory import HostCharge
     from moeswap.runtime import peak_rss_bytes
     from moeswap.sampling import SamplingParams
 
@@ -70,12 +71,13 @@ def run_generate(args) -> int:
         context = prompt + args.n_predict
         # the most tokens one forward feeds: a prompt chunk (decode steps feed one)
         step = min(args.step_tokens, prompt)
-        if args.plan == "auto":
-            apply_auto_plan(args, model_path, context, progress.console, step)
-        experts = store_factory(args, **sequence_charge(args, model_path, context, step))
+        budgets = (auto_budgets(args, model_path, context, progress.console, step)
+                   if args.plan == "auto" else None)
+        settings = offload_settings(args, budgets)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
-                               expert_runner=experts, recorder=recorder,
-                               replay_routing=args.replay_routing)
+                               recorder=recorder, replay_routing=args.replay_routing,
+                               **offload_load_options(settings, HostCharge.for_sequence(
+                                   context, step), args.threads))
         if recorder is not None and not runtime.config.moe_layers:
             raise MoeswapError(f"{model_path}: this {runtime.config.arch} model has no routed "
                                "experts; there is no routing to trace (drop --trace)")
@@ -107,10 +109,11 @@ def run_generate(args) -> int:
     return 0
 
 
-def apply_auto_plan(args, model_path, context: int, console, step_tokens: int) -> None:
-    """Set the run's budgets to the plan's for this machine (the flags given stay);
-    ``step_tokens``: the most tokens one forward feeds (a prompt chunk)."""
-    from moeswap.experts.options import parse_size
+def auto_budgets(args, model_path, context: int, console,
+                 step_tokens: int) -> tuple[int | None, int]:
+    """The plan's (host, device) budgets for this machine (the flags given stay; host None:
+    all resident), its lines printed; ``step_tokens``: the most tokens one forward feeds."""
+    from moeswap.memory import parse_size
     from moeswap.planner.auto import auto_plan, machine_memory
     from moeswap.planner.rates import plan_rates
 
@@ -121,8 +124,7 @@ def apply_auto_plan(args, model_path, context: int, console, step_tokens: int) -
                      step_tokens)
     for line in auto.describe():
         console.print(line, markup=False)
-    args.host_mem = None if auto.host_bytes is None else str(auto.host_bytes)
-    args.device_mem = str(auto.device_bytes)
+    return auto.host_bytes, auto.device_bytes
 
 
 def save_trace(recorder, runtime, model_path, out_path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
-                                      sequence_charge, store_factory)
+                                      offload_load_options, offload_settings)
 
 
 def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
@@ -45,25 +45,13 @@ def register(subparsers) -> None:
     c.set_defaults(handler=run_chat)
 
 
-def _load(args, charge: dict[str, int], recorder=None):
-    """The runtime; ``charge``: store_factory's KV and working-memory settings."""
+def _load(args, charge, recorder=None):
+    """The runtime; its expert store's host budget pays ``charge`` (a moeswap.memory.HostCharge)."""
     import moeswap
 
-    return moeswap.load(args.model, threads=args.threads,
-                        expert_runner=store_factory(args, **charge),
-                        replay_routing=args.replay_routing, recorder=recorder)
-
-
-def _batch_charge(args, batch) -> dict[str, int]:
-    """What the expert store charges to --host-mem for a batch: its slots' KV caches and a
-    step's working memory (moeswap.server.budget); without a store nothing is charged."""
-    if args.host_mem is None:
-        return dict(context_tokens=0)
-    from moeswap.formats.config import config_from_gguf
-    from moeswap.formats.gguf_file import GGUFFile
-    from moeswap.server.budget import store_kv_options
-
-    return store_kv_options(config_from_gguf(GGUFFile.open(args.model)), batch)
+    return moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
+                        recorder=recorder,
+                        **offload_load_options(offload_settings(args), charge, args.threads))
 
 
 def run_serve(args) -> int:
@@ -74,13 +62,14 @@ def run_serve(args) -> int:
     from moeswap.server.activity import ExpertActivity
     from moeswap.server.app import ServerOptions, create_app
     from moeswap.server.batching import BatchOptions
+    from moeswap.server.budget import batch_charge
 
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
                             ctx_policy=args.ctx_policy, api_key=args.api_key)
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
-    runtime = _load(args, _batch_charge(args, batch), activity)
+    runtime = _load(args, batch_charge(batch), activity)
     uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
                 log_level="info")
     return 0
@@ -90,6 +79,7 @@ def run_chat(args) -> int:
     import sys
 
     from moeswap.chat import ChatOptions, ChatSession
+    from moeswap.memory import HostCharge
     from moeswap.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
@@ -97,7 +87,7 @@ def run_chat(args) -> int:
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
                           system=args.system, step_tokens=args.step_tokens)
     # a turn's new tokens may fill the context; they are fed a chunk at a time
-    charge = sequence_charge(args, args.model, args.ctx, min(args.step_tokens, args.ctx))
+    charge = HostCharge.for_sequence(args.ctx, min(args.step_tokens, args.ctx))
     session = ChatSession(_load(args, charge), options, sampling)
     session.run(sys.stdin, sys.stdout)
     return 0

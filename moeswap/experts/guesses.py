@@ -52,6 +52,14 @@ class HostGuesses:
     def __contains__(self, key: Key) -> bool:
         return key in self.slots
 
+    def reading(self, key: Key) -> bool:
+        """Whether the guess's read is with the worker, not collected yet."""
+        return key in self.reads
+
+    def landed_slot(self, key: Key) -> int | None:
+        """The slot of a guess whose bytes are in it; None for others."""
+        return self.slots[key] if key in self.filled else None
+
     def has_room(self, keep: set) -> bool:
         """Could a guess get a slot without touching ``keep``?"""
         return self.pool.n_free > 0 or any(k not in keep for k in self.slots)

@@ -24,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import LOWBIT_TYPES
+from moeswap.experts.settings import LOWBIT_TYPES
 from moeswap.experts.tiers import SlotPool, piece_offsets, slot_bytes
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart

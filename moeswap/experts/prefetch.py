@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import PREDICTORS
+from moeswap.experts.settings import PREDICTORS
 from moeswap.experts.tiers import DiskReader
 from moeswap.models.quant_experts import ExpertLayout
 
@@ -187,6 +187,10 @@ class Prefetcher:
         """A used guess's read saved the store's thread this long."""
         self.counts.hidden_seconds += seconds
         self.throttle.hidden += seconds
+
+    def uploaded(self) -> None:
+        """A guess was copied on to the device tier ahead of use."""
+        self.counts.uploads += 1
 
     def read_outcome(self, target: int, used: bool) -> None:
         """A read for ``target`` was used, or evicted unused."""

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from moeswap.experts.options import held_positions
+from moeswap.memory import held_positions
 from moeswap.formats.rope_scaling import Yarn
 
 
@@ -44,7 +44,7 @@ class KVCache:
     ``attend`` masks with, so stale slots cost nothing but compute.
 
     A cache told the budget's ``context`` (and ``step_tokens``) sizes each layer's buffer
-    once, at its first append, to exactly what moeswap.experts.options.kv_cache_bytes charges
+    once, at its first append, to exactly what moeswap.memory.kv_cache_bytes charges
     (``held_positions``), and never grows while the sequence stays inside them. Without a
     context a buffer doubles when a step needs more room (no budget to keep to).
 

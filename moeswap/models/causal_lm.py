@@ -49,8 +49,8 @@ class CausalLM:
         self.output_norm = output_norm  # [D]
         self.output = output  # [N, D] -> [N, V]; over the embedding table when tied
         self.recorder = recorder  # told the batch layout; the MoE blocks hand it their decisions
-        # What the host budget charges each sequence's cache for (the expert store's
-        # context_tokens and step_tokens; 0: no budget): new caches are sized to it.
+        # What a host budget charged each sequence's cache for (load_model's context_tokens
+        # and step_tokens; 0: no budget): new caches are sized to it.
         self.context, self.step_tokens = 0, 0
 
     def new_cache(self) -> KVCache:

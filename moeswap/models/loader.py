@@ -32,7 +32,8 @@ ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRun
 
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
                threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None,
-               recorder: DecisionRecorder | None = None, replay: Any = None) -> CausalLM:
+               recorder: DecisionRecorder | None = None, replay: Any = None,
+               context_tokens: int = 0, step_tokens: int = 0) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
@@ -40,6 +41,9 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     from the mapped file); the offload store comes in here.
     recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
     replay: a moeswap.routing.replay.RoutingReplay whose trace's decisions replace the router's.
+    context_tokens, step_tokens: the positions of a sequence and the most tokens a forward feeds
+    it, as a budget charged them (moeswap.memory.HostCharge): new KV caches are sized to them
+    (0: caches grow as they fill).
     """
     path = Path(path)
     source: Any
@@ -70,11 +74,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     if replay is not None:
         experts, recorder = replay.attach(config, str(path), experts, recorder)
     model = build(config, source, bound, experts, recorder)
-    from moeswap.experts.factory import StoreFactory
-
-    if isinstance(expert_runner, StoreFactory):  # caches sized to what the budget charges
-        model.context = expert_runner.options.context_tokens
-        model.step_tokens = expert_runner.options.step_tokens
+    model.context, model.step_tokens = context_tokens, step_tokens
     return model
 
 

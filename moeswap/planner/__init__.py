@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS
 from moeswap.planner.distributed import MultiGpuPlan, plan_multi_gpu
 from moeswap.planner.llama_cpp import LlamaCppPlan, ollama_modelfile, plan_llama_cpp
 from moeswap.planner.placement import Budget, Plan, make_plan

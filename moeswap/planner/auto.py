@@ -14,7 +14,7 @@ from pathlib import Path
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS
 from moeswap.planner.llama_cpp import GPU_RESERVE
 from moeswap.planner.placement import Budget, Plan, gib, make_plan
 from moeswap.planner.rates import PlanRates

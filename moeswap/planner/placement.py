@@ -16,7 +16,7 @@ import numpy as np
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import TOKENS_PER_READ
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS, HostCharge
 from moeswap.planner.rates import PlanRates
 from moeswap.planner.replayed import check_trace, lru_hit_rate
 from moeswap.planner.sizes import ModelSizes
@@ -39,6 +39,11 @@ class Budget:
     batch: int = 1  # sequences decoded together
     step_tokens: int = STEP_TOKENS  # most tokens one forward feeds (--step-tokens; 0: a context)
 
+    @property
+    def charge(self) -> HostCharge:
+        """What the store charges the host budget for these sequences (moeswap.memory)."""
+        return HostCharge.for_batch(self.context, self.batch, self.step_tokens)
+
 
 @dataclass(frozen=True)
 class HitRates:
@@ -56,6 +61,7 @@ class Plan:
     sizes: ModelSizes
     budget: Budget
     rates: PlanRates
+    host_charged: int  # what the host budget pays before its first expert slot, of which:
     kv_bytes: int  # the cache as the store charges it (float32, every position)
     working_bytes: int  # a forward's activations, scores and logits, as the store charges them
     staging_bytes: int
@@ -65,10 +71,6 @@ class Plan:
     hits: HitRates
     decode_tokens_per_second: float
     prefill_tokens_per_second: float
-
-    @property
-    def host_charged(self) -> int:
-        return self.sizes.shared_bytes + self.kv_bytes + self.working_bytes + self.staging_bytes
 
     @property
     def all_experts(self) -> int:
@@ -86,14 +88,12 @@ class Plan:
 
 def check_fits(sizes: ModelSizes, budget: Budget) -> None:
     """Refuse a host budget below what the store charges, saying by how much and what to change."""
-    kv = sizes.store_kv_bytes(budget.context, budget.batch, budget.step_tokens)
-    working = sizes.store_working_bytes(budget.context, budget.batch, budget.step_tokens)
-    staging = max(sizes.top_k, 1) * sizes.slot_bytes
-    need = sizes.shared_bytes + kv + working + staging
+    terms, need = sizes.host_terms(budget.charge), sizes.host_charged(budget.charge)
+    kv, working, staging = terms["kv_bytes"], terms["working_bytes"], terms["staging_bytes"]
     if budget.host_bytes >= need:
         return
     short = need - budget.host_bytes
-    per_position = sizes.store_kv_bytes(1, budget.batch)
+    per_position = HostCharge.for_batch(1, budget.batch).kv_bytes(sizes.config)
     # a shorter context needs less working memory too: counting this one's errs on the safe side
     room = budget.host_bytes - sizes.shared_bytes - working - staging
     fixes = [f"--host-mem {gib(need)} or more"]
@@ -205,10 +205,7 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
     if not sizes.moe_layers:
         raise MoeswapError(f"{sizes.path}: no routed experts; the planner is for MoE models")
     check_fits(sizes, budget)
-    kv = sizes.store_kv_bytes(budget.context, budget.batch, budget.step_tokens)
-    working = sizes.store_working_bytes(budget.context, budget.batch, budget.step_tokens)
-    staging = max(sizes.top_k, 1) * sizes.slot_bytes
-    charged = sizes.shared_bytes + kv + working + staging
+    terms, charged = sizes.host_terms(budget.charge), sizes.host_charged(budget.charge)
     all_experts = sizes.n_expert * len(sizes.moe_layers)
     device_slots = min(budget.device_bytes // sizes.slot_bytes, all_experts)
     host_slots = min((budget.host_bytes - charged) // sizes.slot_bytes, all_experts - device_slots)
@@ -220,8 +217,8 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
                                          budget.batch)
     piece = min(PREFILL_PIECE, budget.context)
     prefill = piece / step_seconds(sizes, hits, rates, piece, 0, 1)
-    return Plan(sizes, budget, rates, kv, working, staging, device_slots, host_slots, per_layer,
-                hits, decode, prefill)
+    return Plan(sizes, budget, rates, charged, terms["kv_bytes"], terms["working_bytes"],
+                terms["staging_bytes"], device_slots, host_slots, per_layer, hits, decode, prefill)
 
 
 def gib(n_bytes: float) -> str:

@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import Rates
+from moeswap.experts.settings import OffloadSettings
 from moeswap.quant import CpuKernels, quantize_rows
 
 DEFAULT_CACHE = Path.home() / ".cache" / "moeswap" / "probe.json"
@@ -243,6 +244,15 @@ def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
         entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None))
         _write(cache, entries)
     return Rates(**{f.name: entries[key][f.name] for f in fields(Rates)})
+
+
+def cost_model_rates(settings: OffloadSettings | None, threads: int | None) -> Rates | None:
+    """The rates the store's cost model needs under ``settings``: this machine's (cached) when
+    a device tier leaves each miss to the model (--miss auto), else None (a CPU-only
+    machine's rates, where computing in place always wins, need no probe)."""
+    if settings is None or not settings.device_bytes or settings.miss != "auto":
+        return None
+    return cached_rates(threads)
 
 
 def cached_overheads(threads: int | None = None, cache: Path = DEFAULT_CACHE,

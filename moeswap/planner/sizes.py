@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeswap.experts.options import forward_working_bytes, kv_cache_bytes
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import ModelConfig, config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_moe import EMBEDDING, ROUTED, MoEView
+from moeswap.memory import HostCharge
 from moeswap.models.quant_experts import ExpertLayout
 
 F16_BYTES = 2  # llama.cpp's default cache type (-ctk f16 -ctv f16); vLLM and SGLang's bf16 too
@@ -76,18 +76,19 @@ class ModelSizes:
         window = self.config.sliding_window
         return -(-(window + LLAMA_CPP_UBATCH) // 256) * 256 if window else 0
 
-    def store_kv_bytes(self, context: int, sequences: int = 1, step_tokens: int = 0) -> int:
-        """What moeswap's expert store charges the host budget for the cache: float32, every
-        position on full layers; a sliding layer keeps window - 1 + the most tokens a forward
-        feeds a sequence (``step_tokens``; 0: a whole context, as a prompt filling it is fed)."""
-        return kv_cache_bytes(self.config, context, sequences, step_tokens)
+    @property
+    def staging_bytes(self) -> int:
+        """The store's staging ring: one slot per pick of a token."""
+        return max(self.top_k, 1) * self.slot_bytes
 
-    def store_working_bytes(self, context: int, sequences: int = 1, step_tokens: int = 0) -> int:
-        """What `moeswap run`, `chat` and `serve` charge the host budget for a forward's working
-        memory: ``step_tokens`` fed tokens (0: a whole context), no more than ``sequences``
-        whole contexts, each attending over ``context`` positions: what the server's budget
-        charges too (both call forward_working_bytes)."""
-        return forward_working_bytes(self.config, step_tokens, context, sequences)
+    def host_terms(self, charge: HostCharge) -> dict[str, int]:
+        """What moeswap's expert store charges the host budget for ``charge``, term by term
+        (float32 KV cache; sliding layers keep window - 1 + a step's positions)."""
+        return charge.terms(self.config, self.shared_bytes, self.staging_bytes)
+
+    def host_charged(self, charge: HostCharge) -> int:
+        """The host bytes the store charges for ``charge`` before its first expert slot."""
+        return charge.bytes(self.config, self.shared_bytes, self.staging_bytes)
 
 
 def model_sizes(gf: GGUFFile) -> ModelSizes:

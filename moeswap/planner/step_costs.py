@@ -70,11 +70,14 @@ def write_model(path: Path, seed: int = 0) -> None:
     writer.close()
 
 
-def decode_step_seconds(path: Path, threads: int | None, expert_runner=None) -> float:
-    """The median seconds of one greedy decode step after a prompt."""
+def decode_step_seconds(path: Path, threads: int | None, expert_runner=None,
+                        context_tokens: int = 0) -> float:
+    """The median seconds of one greedy decode step after a prompt (``context_tokens``: what
+    the expert runner's budget charged the cache for)."""
     from moeswap.models import load_model
 
-    model = load_model(path, threads=threads, expert_runner=expert_runner)
+    model = load_model(path, threads=threads, expert_runner=expert_runner,
+                       context_tokens=context_tokens)
     cache = model.new_cache()
     ids = torch.arange(PROMPT_TOKENS) % (N_VOCAB - 3) + 3
     logits = model.forward([ids], [cache], last_only=True)[0]
@@ -89,8 +92,10 @@ def decode_step_seconds(path: Path, threads: int | None, expert_runner=None) -> 
 def measure_step_costs(host_compute: float, threads: int | None = None,
                        folder: str | Path | None = None) -> tuple[float, float]:
     """(layer_step, expert_call) seconds on this machine."""
-    from moeswap.experts.store import ExpertStore, StoreOptions
+    from moeswap.experts.build import build_store
+    from moeswap.experts.settings import OffloadSettings
     from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.memory import HostCharge
     from moeswap.planner.sizes import model_sizes
 
     torch_threads = torch.get_num_threads()
@@ -105,13 +110,13 @@ def measure_step_costs(host_compute: float, threads: int | None = None,
                 sizes = model_sizes(gf)
             finally:
                 gf.close()
-            every_slot = (sizes.shared_bytes + sizes.store_kv_bytes(CONTEXT)
-                          + (TOP_K + N_LAYER * N_EXPERT) * sizes.slot_bytes)
+            charge = HostCharge.for_sequence(CONTEXT)
+            every_slot = sizes.host_charged(charge) + N_LAYER * N_EXPERT * sizes.slot_bytes
             resident = stored = math.inf
             for _ in range(ROUNDS):
                 resident = min(resident, decode_step_seconds(path, threads))
-                stored = min(stored, decode_step_seconds(path, threads, ExpertStore.factory(
-                    StoreOptions(host_bytes=every_slot, context_tokens=CONTEXT))))
+                store = build_store(OffloadSettings(host_bytes=every_slot), charge)
+                stored = min(stored, decode_step_seconds(path, threads, store, CONTEXT))
     finally:
         torch.set_num_threads(torch_threads)
     bytes_read = sizes.active_bytes_per_token + sizes.kv_bytes(PROMPT_TOKENS, 4)

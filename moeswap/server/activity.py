@@ -49,7 +49,7 @@ def _tiers(runtime: Any, layers: list[int], n_experts: int) -> list[list[str]]:
     store = getattr(runtime.expert_runner, "store", None)
     if store is None:
         return [["mapped"] * n_experts for _ in layers]
-    where = {key: tier for tier in ("host", "device") for key in store.slots[tier]}
+    where = store.resident_tiers()
     return [[where.get((layer, e), "disk") for e in range(n_experts)] for layer in layers]
 
 

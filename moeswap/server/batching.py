@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.options import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS
 from moeswap.sampling import Sampler
 
 

@@ -1,19 +1,20 @@
-"""Turning user settings into store options: sizes like ``12GiB`` and the KV cache's share."""
+"""Memory arithmetic: sizes like ``12GiB``, the KV cache, a step's working memory, and the one
+sum of what the host budget (``--host-mem``) pays before it holds any routed expert.
+
+Pure arithmetic over a ModelConfig: the engine sizes its caches with it, and the expert store,
+`run`, `chat`, `serve`, the benchmark and the planner all charge the budget through
+``HostCharge``, so that a new term is one edit.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
 
 STEP_TOKENS = 512  # default tokens per forward: llama.cpp's n_ubatch
-
-PREDICTORS = ("off", "gate", "history", "both")  # --prefetch: moeswap.experts.prefetch
-# --miss-lowbit: the types a low-bit copy can take (moeswap.experts.lowbit); ggml quantizes
-# each without an importance matrix.
-LOWBIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
-                "iq4_nl")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
@@ -65,9 +66,56 @@ def forward_working_bytes(config: ModelConfig, step_tokens: int, context: int,
     16D (residual, norms, q/k/v/o, router), and the expert store's per-token buffers,
     K(3F + D) (gate, up and their product per pick, each pick's output; moeswap.experts.store).
     V vocabulary, H query heads, C context, D model width, K experts per token, F an
-    expert's FFN width. The planner and the server charge this same function."""
+    expert's FFN width."""
     c = config
     tokens = min(step_tokens or context, sequences * context)
     activations = max(16 * c.n_embd, c.n_expert_used * (3 * c.n_ff_exp + c.n_embd))
     rows = min(tokens, sequences)  # logits rows: one per sequence fed in the step
     return 4 * (tokens * (2 * c.n_head * context + activations) + rows * 2 * c.n_vocab)
+
+
+CHARGE_WORDS = {"shared_bytes": "the shared weights", "kv_bytes": "the KV cache",
+                "working_bytes": "the working memory of a step",
+                "staging_bytes": "the staging slots", "lowbit_bytes": "the --miss-lowbit copies"}
+
+
+@dataclass(frozen=True)
+class HostCharge:
+    """What the host budget pays before it holds a routed expert, for ``sequences`` sequences
+    of up to ``context_tokens`` positions fed at most ``step_tokens`` tokens per forward (0: a
+    whole context): the shared weights, the store's staging slots, any ``--miss-lowbit``
+    copies, the KV caches and one step's working memory. ``terms`` is the one place they are
+    added up; the store, run, chat, serve, the benchmark and the planner all ask it.
+    A charge of no context (the default) charges no cache and no step."""
+
+    context_tokens: int = 0
+    sequences: int = 1
+    step_tokens: int = 0
+
+    @classmethod
+    def for_sequence(cls, context_tokens: int, step_tokens: int = 0) -> HostCharge:
+        """`moeswap run` and `chat`: one sequence's cache."""
+        return cls(context_tokens, 1, step_tokens)
+
+    @classmethod
+    def for_batch(cls, context_tokens: int, sequences: int, step_tokens: int = 0) -> HostCharge:
+        """`moeswap serve`: every batch slot's cache may fill its context at once."""
+        return cls(context_tokens, sequences, step_tokens)
+
+    def kv_bytes(self, config: ModelConfig) -> int:
+        return kv_cache_bytes(config, self.context_tokens, self.sequences, self.step_tokens)
+
+    def working_bytes(self, config: ModelConfig) -> int:
+        return forward_working_bytes(config, self.step_tokens, self.context_tokens,
+                                     self.sequences)
+
+    def terms(self, config: ModelConfig, shared_bytes: int, staging_bytes: int,
+              lowbit_bytes: int = 0) -> dict[str, int]:
+        """Each charged term, in bytes, by name (CHARGE_WORDS says them in a message)."""
+        return {"shared_bytes": shared_bytes, "kv_bytes": self.kv_bytes(config),
+                "working_bytes": self.working_bytes(config), "staging_bytes": staging_bytes,
+                "lowbit_bytes": lowbit_bytes}
+
+    def bytes(self, config: ModelConfig, shared_bytes: int, staging_bytes: int,
+              lowbit_bytes: int = 0) -> int:
+        return sum(self.terms(config, shared_bytes, staging_bytes, lowbit_bytes).values())

@@ -1,0 +1,112 @@
+"""Prefetch orchestration: before each layer step, guesses for the next layers are read into
+host slots reserved for them on a worker thread (moeswap.experts.guesses), and on a CUDA device
+tier the guesses worth moving are uploaded on the copy stream. The throttle turns all of it off
+where it does not measurably pay (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
+A wrong guess costs a read and a slot, never a different output.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from moeswap.experts.guesses import HostGuesses
+from moeswap.experts.prefetch import Prefetcher, ReadWorker
+from moeswap.experts.residency import Key, Residency
+from moeswap.experts.settings import OffloadSettings
+
+
+class Lookahead:
+    def __init__(self, residency: Residency, settings: OffloadSettings, routers: dict,
+                 top_k: int):
+        """routers: MoE layer -> its Router, which the gate predictor applies ahead of time."""
+        r = self.residency = residency
+        layers = list(r.layouts)
+        self.first_layer = layers[0]
+        self.prefetch = Prefetcher(settings.prefetch, settings.prefetch_depth, layers, routers,
+                                   r.layouts[layers[0]].n_experts, top_k)
+        self.worker = ReadWorker(r.disk.path, settings.cold_reads)
+        self.guesses = r.guesses = HostGuesses(r.pools["host"], self.worker, self.prefetch,
+                                               r.layer_stats)
+        # the thread holds no reference to this object, so dropping it stops the thread
+        self.close = weakref.finalize(self, self.worker.close)
+        self._to_upload: set[Key] = set()  # device guesses waiting for their read
+        self._on = False  # the throttle's word for the current forward
+
+    def before_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """x [N, D], ids [N, K]: a layer step is about to run; guess ahead if the throttle
+        lets prefetch run in this forward (counting the time it takes)."""
+        if self._running(layer, x.shape[0]):
+            started = time.perf_counter()
+            self.ahead(layer, x, ids)
+            self.prefetch.spent(time.perf_counter() - started)
+
+    def _running(self, layer: int, n_tokens: int) -> bool:
+        """The throttle decides at each forward's first MoE layer, for the whole forward."""
+        if layer == self.first_layer:
+            r = self.residency
+            was, self._on = self._on, self.prefetch.throttle.forward(n_tokens)
+            stalled = sum(stats.stall_seconds for stats in r.layer_stats.values())
+            self.prefetch.link.forward(n_tokens, stalled, r.disk.stats.bytes,
+                                       r.disk.stats.seconds, self._on)
+            if was and not self._on:
+                self.guesses.pause()
+                self._to_upload.clear()
+                self.prefetch.pause()
+        return self._on
+
+    def ahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """Before a layer step: check the guesses made for it, drop stale reads, then give the
+        next layers' guesses free host slots (or those of kept victims, then of older unused
+        guesses) and hand their reads to the worker in one batch. With no such slot, nothing is
+        predicted."""
+        r = self.residency
+        needed = {(layer, e) for e in ids.flatten().tolist()}
+        self.prefetch.observe(layer, ids)
+        self.guesses.collect(layer, needed)
+        device_ahead = r.on_torch_device and r.pools["device"].n_slots
+        if not (self.guesses.has_room(needed) or device_ahead):
+            return
+        pinned = set(needed)
+        guesses = self.prefetch.guesses(layer, x, ids)
+        for key in guesses:
+            if r.holds(key):
+                pinned.add(key)
+            elif self.guesses.queue_full() or not self.prefetch.link.allows() or \
+                    not self.guesses.reserve(key, r.layouts[key[0]], pinned):
+                break  # the link is busy with earlier guesses or requests, or no slot is left
+            else:
+                self.prefetch.link.spend(r.layouts[key[0]].expert_bytes)
+                pinned.add(key)
+        self.guesses.submit()
+        if device_ahead:
+            self._upload_ahead(layer, guesses, pinned)
+
+    def _upload_ahead(self, layer: int, guesses: list[Key], pinned: set) -> None:
+        """Guesses the cost model would move to the device go there now, on the copy stream,
+        once their host bytes are in (a read in flight: at a later step, if still ahead)."""
+        r = self.residency
+        self._to_upload = {k for k in self._to_upload if k[0] > layer}  # the rest is stale
+        for key in [*sorted(self._to_upload), *guesses]:
+            if key in r.policies["device"] or not self._worth_uploading(key[0]):
+                continue
+            if self.guesses.reading(key):
+                self._to_upload.add(key)
+                continue
+            index = r.slots["host"].get(key)
+            if index is None:
+                index = self.guesses.landed_slot(key)
+            if index is not None and r.admit("device", key, pinned):
+                self._to_upload.discard(key)
+                r.load("device", key, r.pools["host"].slot(index))
+                self.prefetch.uploaded()
+                pinned.add(key)
+
+    def _worth_uploading(self, layer: int) -> bool:
+        """Would the cost model move this layer's expert for one token?"""
+        planner = self.residency.planner
+        mode, rates, size = planner.mode, planner.rates, self.residency.layouts[layer].expert_bytes
+        return mode == "transfer" or (
+            mode == "auto" and rates.transfer_seconds(size, 1) < rates.compute_seconds(size, 1))
