@@ -306,7 +306,7 @@ def _tokenizer_from_sentencepiece_folder(folder: Path, cache_dir) -> Tokenizer:
     import gguf
 
     from moeswap.formats.config import config_from_hf
-    from moeswap.gguf_tools.vocab_to_gguf import write_vocab
+    from moeswap.formats.vocab_to_gguf import write_vocab
 
     digest = hashlib.sha256(f"moeswap-sentencepiece-v{CONVERSION_VERSION}".encode())
     for name in ("tokenizer.model", "tokenizer_config.json", "added_tokens.json",

@@ -20,7 +20,7 @@ import numpy as np
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig, hf_rope_parameters, read_hf_config
 from moeswap.formats.safetensors_weights import SafetensorsWeights
-from moeswap.gguf_tools.vocab_to_gguf import write_vocab
+from moeswap.formats.vocab_to_gguf import write_vocab
 from moeswap.models.gemma4 import proportional_rope_factors
 
 OUT_TYPES = {
