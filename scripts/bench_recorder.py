@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import write_mixtral  # noqa: E402  (the generated model, same writer)
+from moeswap.bench.generated import write_mixtral  # noqa: E402  (the generated model)
 
 import moeswap  # noqa: E402
 from moeswap.routing.recorder import RoutingRecorder  # noqa: E402

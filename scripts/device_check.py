@@ -16,7 +16,7 @@
 3. Decode tokens/s versus the device budget (0, 10, 25, 50, 100 % of the routed bytes; the host
    tier holds every expert, so nothing is read from disk): the built-in trained model on Python
    source text (its real routing) and a generated Mixtral-shaped Q8_0 model (random weights:
-   near-uniform routing; scripts/bench_decode.py's generator). ``--miss transfer``: a missed
+   near-uniform routing; moeswap.bench.generated). ``--miss transfer``: a missed
    expert is uploaded whenever the device policy (LRU) admits it.
 
 Prints markdown tables to paste into docs/BENCHMARKS.md; --markdown / --json write them too.
@@ -271,7 +271,7 @@ def sweep(label: str, routing: str, path: Path, tokens: torch.Tensor, device: st
 
 
 def generated_model(folder: Path, gb: float, quick: bool) -> Path:
-    from bench_decode import mixtral_shape, write_mixtral
+    from moeswap.bench.generated import mixtral_shape, write_mixtral
 
     path = folder / "mixtral-generated.q8_0.gguf"
     write_mixtral(path, mixtral_shape(0.02 if quick else gb, tiny=quick))

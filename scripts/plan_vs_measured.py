@@ -6,7 +6,7 @@
         --replay-routing humaneval.npz --plan-routing gsm8k.jsonl --refresh-probe
 
 Models: the shipped trained model and, with ``--generated FILE`` (or ``--gb``: one written that
-big by scripts/bench_decode.py's writer into --work-dir), a generated Mixtral-shaped Q8_0 model.
+big by moeswap.bench.generated's writer into --work-dir), a generated Mixtral-shaped Q8_0 model.
 
 The plan's hit rate comes from a routing trace of other text than the measured run (``moeswap
 plan --profile TRACE.npz``: the store's LRU replayed over it); the measured runs use the store's
@@ -39,7 +39,6 @@ A benchmark for a quiet machine, not a test. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -77,19 +76,11 @@ def moeswap(*args: str) -> subprocess.CompletedProcess:
 
 
 def generated_model(work_dir: Path, gb: float) -> Path:
-    spec = importlib.util.spec_from_file_location("bench_decode",
-                                                  ROOT / "scripts" / "bench_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    shape = bench.mixtral_shape(gb, tiny=False)
-    path = work_dir / (f"mixtral-shaped-q8_0-{shape['n_layer']}x{shape['n_embd']}x"
-                       f"{shape['n_ff']}x{shape['n_expert']}.gguf")
-    if not path.exists():
-        work_dir.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-        bench.write_mixtral(partial, shape)
-        partial.rename(path)
-    return path
+    from moeswap.bench.generated import cached_model, mixtral_shape
+
+    shape = mixtral_shape(gb, tiny=False)
+    return cached_model(work_dir, f"mixtral-shaped-q8_0-{shape['n_layer']}x{shape['n_embd']}x"
+                                  f"{shape['n_ff']}x{shape['n_expert']}.gguf", shape)
 
 
 def trace_for(model: Path, work_dir: Path, n_predict: int, prompts: list[str], name: str,

@@ -232,27 +232,15 @@ def test_uploads_through_the_staging_ring_land_in_their_slots():
 
 
 def test_anonymous_memory_grows_by_the_budget_not_by_the_experts(tmp_path):
-    """A ~0.2 GB generated model run from disk in a fresh process (scripts/offload_check.py's
-    worker): RssAnon growth stays under the host budget + 10 %, far below the routed bytes.
-    The >= 2 GB run is `python scripts/offload_check.py rss` (docs/OFFLOAD.md)."""
-    import importlib.util
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
+    """A ~0.2 GB generated model run from disk in a fresh process (the offload suite's worker):
+    RssAnon growth stays under the host budget + 10 %, far below the routed bytes.
+    The >= 2 GB run is `moeswap bench --suite offload rss` (docs/OFFLOAD.md)."""
+    from moeswap.bench.generated import mixtral_shape, write_mixtral
+    from moeswap.bench.suites.offload import measure_share
 
-    root = Path(__file__).resolve().parent.parent
-    spec = importlib.util.spec_from_file_location("bench_decode",
-                                                  root / "scripts" / "bench_decode.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
     path = tmp_path / "model.gguf"
-    bench.write_mixtral(path, bench.mixtral_shape(0.2, tiny=False))
-    done = subprocess.run([sys.executable, str(root / "scripts" / "offload_check.py"), "worker",
-                           "--model", str(path), "--share", "0.25", "--policy", "lru",
-                           "--threads", "1", "--prompt-tokens", "8", "--gen-tokens", "4"],
-                          capture_output=True, text=True, check=True, cwd=root)
-    r = json.loads(done.stdout.splitlines()[-1])
+    write_mixtral(path, mixtral_shape(0.2, tiny=False))
+    r = measure_share(str(path), 0.25, "lru", 1, 8, 4, None, tmp_path / "runs", "rss")
     assert r["rss_anon_growth"] <= 1.10 * r["host_budget"]
     assert r["rss_anon_growth"] < 0.5 * r["routed_bytes"]  # the experts did not pile up
     assert r["disk_mib"] > 0

@@ -1,6 +1,11 @@
-"""The benchmark's markdown: one table per scenario, then moeswap / llama.cpp ratios."""
+"""The benchmark's markdown: one table per scenario, then moeswap / llama.cpp ratios; and a
+suite's report files."""
 
 from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
 
 SCENARIO_TEXT = {
     "long": "one long multi-turn conversation filling the context, then a greedy continuation",
@@ -105,3 +110,23 @@ def markdown(report: dict) -> str:
                       "|---|---:|---:|---:|---:|---|", *ratios]
         lines.append("")
     return "\n".join(lines)
+
+
+def write_suite_report(out_dir: Path, suite: str, command: str, body: dict, text: str) -> dict:
+    """A suite's report.json (``body`` with where and when it ran) and report.md (a header,
+    then ``text``) in ``out_dir`` -> the report."""
+    from moeswap.bench.environment import load_average, machine, versions
+
+    report = {"suite": suite, "command": command,
+              "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
+              "load_average": load_average(), "versions": versions(), **body}
+    m = report["machine"]
+    header = [f"Command: `{command}` ({report['date']})", "",
+              f"Machine: {m['cpu']}, {m['cores']} cores, {mib(m['ram_bytes'])} MiB RAM, "
+              f"{m['os']}; load average (1, 5, 15 min) {report['load_average']} at the end.",
+              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v)
+              + ".", ""]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out_dir / "report.md").write_text("\n".join(header) + text.rstrip() + "\n")
+    return report

@@ -63,6 +63,7 @@ class RunSpec:
     llama_mmap: bool = True  # llama.cpp: weights mapped (page cache) or read into RAM
     replay_routing: str | None = None  # moeswap: a trace's routing replaces the router's
     prefill_chunk: int = PREFILL_CHUNK
+    warm_page_cache: bool = True  # read the file once first; off: a cold-reads run starts cold
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "prompts"} | {

@@ -1,13 +1,16 @@
-"""`moeswap bench`: the benchmark's scenarios, moeswap beside llama.cpp (docs/BENCHMARKS.md)."""
+"""`moeswap bench`: the benchmark's scenarios, moeswap beside llama.cpp, and its suites
+(`moeswap bench --suite NAME [options]`; docs/BENCHMARKS.md)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
 from pathlib import Path
 
 from moeswap.bench.scenarios import SCENARIOS
+from moeswap.bench.suites import SUITES
 from moeswap.cli.offload_args import add_offload_arguments, offload_settings
 from moeswap.errors import MoeswapError
 
@@ -22,8 +25,9 @@ def register(subparsers) -> None:
                    help=f"comma-separated, from {', '.join(SCENARIOS)} (all)")
     p.add_argument("--compare", choices=["llama.cpp"],
                    help="also run llama.cpp (llama-cpp-python) on the same file and threads")
-    p.add_argument("-o", "--output", required=True, metavar="DIR",
-                   help="where report.json, report.md, the plots and each run's raw result go")
+    p.add_argument("-o", "--output", metavar="DIR",
+                   help="where report.json, report.md, the plots and each run's raw result go "
+                        "(required)")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="threads for both engines (default: all cores)")
     p.add_argument("--size", choices=["full", "smoke"], default="full",
@@ -43,6 +47,10 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=900, metavar="S",
                    help="a run still going after S seconds is stopped and recorded (900)")
     add_offload_arguments(p)
+    p.add_argument("--suite", nargs=argparse.REMAINDER,
+                   help="run a suite instead of the scenarios; everything after NAME is the "
+                        "suite's (`moeswap bench --suite NAME --help`): "
+                        + "; ".join(f"{name}: {text}" for name, text in SUITES.items()))
     p.epilog = ("--host-mem sets the budget of the long, batch8, conflict and window-sweep runs "
                 "(default: a quarter of each layer's experts); resident-sweep sets its own.")
     p.set_defaults(handler=run_bench_command)
@@ -55,6 +63,35 @@ def int_list(text: str, flag: str) -> tuple[int, ...]:
         raise MoeswapError(f"{flag} takes comma-separated whole numbers, got {text!r}") from None
 
 
+def command_line() -> str:
+    return shlex.join(["moeswap", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else \
+        "moeswap bench (called from Python)"
+
+
+def run_suite_command(words: list[str], output: str | None) -> int:
+    """`moeswap bench --suite NAME [options]`: the suite's own flags, then its report files."""
+    import moeswap
+    from moeswap.bench.report import write_suite_report
+    from moeswap.bench.suites import suite_module
+
+    if not words:
+        raise MoeswapError(f"--suite needs a name: {', '.join(SUITES)}")
+    suite = suite_module(words[0])
+    parser = argparse.ArgumentParser(prog=f"moeswap bench --suite {words[0]}",
+                                     description=SUITES[words[0]])
+    parser.add_argument("-o", "--output", required=output is None, default=output, metavar="DIR",
+                        help="where report.json, report.md and each run's raw result go")
+    suite.add_arguments(parser)
+    args = parser.parse_args(words[1:])
+    args.default_model = str(moeswap.DEFAULT_MODEL)
+    out = Path(args.output)
+    body, text = suite.run(args, out)
+    write_suite_report(out, words[0], command_line(), body, text)
+    print(text)
+    print(f"{out / 'report.md'}, {out / 'report.json'}", file=sys.stderr)
+    return 0 if body.get("passed", True) else 1
+
+
 def run_bench_command(args) -> int:
     from dataclasses import replace
 
@@ -65,6 +102,10 @@ def run_bench_command(args) -> int:
     from moeswap.bench.suite import run_bench
     from moeswap.memory import parse_size
 
+    if args.suite is not None:
+        return run_suite_command(args.suite, args.output)
+    if args.output is None:
+        raise MoeswapError("-o/--output DIR is required: where the report goes")
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown or not scenarios:
@@ -93,9 +134,7 @@ def run_bench_command(args) -> int:
                 resident=int_list(args.resident, "--resident"))
     out = Path(args.output)
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    command = shlex.join(["moeswap", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else \
-        "moeswap bench (called from Python)"
-    report = run_bench(plan, Path(args.inputs), out, args.timeout, command, console)
+    report = run_bench(plan, Path(args.inputs), out, args.timeout, command_line(), console)
     failed = sum(r["status"] != "ok" for r in report["runs"])
     console.print(f"{len(report['runs'])} runs, {failed} failed: {out / 'report.md'}, "
                   f"{out / 'report.json'}", markup=False)

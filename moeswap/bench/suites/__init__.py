@@ -1,0 +1,26 @@
+"""``moeswap bench --suite NAME [options]``: measurements beside the scenarios, each a module here
+with ``add_arguments(parser)`` and ``run(args, out_dir) -> (report body, markdown)``. They share
+the scenarios' workers (moeswap.bench.worker), timing, memory sampling and report files
+(moeswap.bench.report.write_suite_report: report.json and report.md in ``-o DIR``)."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from moeswap.errors import MoeswapError
+
+SUITES = {
+    "decode": "prompt and decode tokens/s, moeswap beside llama.cpp, on real and generated models",
+    "offload": "a generated model run from disk through the expert store: the RssAnon check, "
+               "policies x budgets, replay preparation",
+    "prefetch": "prefetch off / depth 1, 2, 4 on a model read from disk; a long soak (stress)",
+    "server": "`moeswap serve` under concurrent requests, batched versus one at a time",
+    "kernels": "quantized matrix products: GB/s against the memory roofline, accuracy",
+}
+
+
+def suite_module(name: str) -> ModuleType:
+    if name not in SUITES:
+        raise MoeswapError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}")
+    return importlib.import_module(f"moeswap.bench.suites.{name}")

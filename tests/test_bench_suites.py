@@ -1,0 +1,72 @@
+"""`moeswap bench --suite NAME`: each suite's smallest size runs on a tiny model, in the bench's
+workers, and writes report.json and report.md; a suite's failed check is exit status 1; an
+unknown suite is a one-line error. The measurements themselves are not timed here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_models
+from moeswap.cli import main
+from moeswap.gguf_tools.convert import convert
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("suites")
+    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+def suite(out, name, *flags, code=0) -> dict:
+    assert main(["bench", "-o", str(out), "--suite", name, *flags]) == code
+    report = json.loads((out / "report.json").read_text())
+    assert report["suite"] == name and report["machine"]["cores"]
+    assert (out / "report.md").read_text().startswith("Command: ")
+    return report
+
+
+def test_unknown_suite_is_one_line_error(tmp_path, capsys):
+    assert main(["bench", "--suite", "nope", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown suite 'nope'" in err and "decode" in err
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_suite_needs_an_output_folder(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--suite", "decode", "--size", "smoke"])
+    assert "-o/--output" in capsys.readouterr().err
+
+
+def test_decode_suite_on_the_generated_model(tmp_path):
+    report = suite(tmp_path / "out", "decode", "--models", "mixtral", "--size", "smoke",
+                   "--engines", "moeswap", "--threads", "1", "--work-dir", str(tmp_path / "gen"))
+    (row,) = report["results"]
+    assert row["status"] == "ok", row
+    assert row["engine"] == "moeswap" and len(row["outputs"][0]) == 4
+    assert row["prompt_tokens"] == 8 and row["decode_tokens"] == 3
+    assert list((tmp_path / "gen").glob("mixtral-shaped-*.gguf"))  # written once, kept
+    assert "| moeswap |" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_offload_suite_rss_check_and_table(tiny_gguf, tmp_path):
+    out = tmp_path / "rss"
+    code = main(["bench", "--suite", "offload", "rss", "--model", str(tiny_gguf), "-o", str(out),
+                 "--prompt-tokens", "4", "--gen-tokens", "2"])
+    report = json.loads((out / "report.json").read_text())
+    r = report["result"]
+    # on a model this small the interpreter's own noise may exceed the budget: the verdict,
+    # the exit status and the markdown must agree with the figures either way
+    assert report["passed"] == (r["rss_anon_growth"] <= 1.10 * r["host_budget"])
+    assert code == (0 if report["passed"] else 1)
+    assert ("PASS" if report["passed"] else "FAIL") in (out / "report.md").read_text()
+    assert r["disk_mib"] > 0 and r["hit_rate"] is not None
+    report = suite(tmp_path / "table", "offload", "table", "--model", str(tiny_gguf),
+                   "--policies", "lru", "--prompt-tokens", "4", "--gen-tokens", "2")
+    shares = [r["experts_share"] for r in report["results"]]
+    assert shares == [0.0, 0.10, 0.25, 0.50, 1.0]
+    hits = [r["hit_rate"] for r in report["results"]]
+    assert hits[-1] >= hits[0]  # every expert fits: nothing misses after the first reads
