@@ -4,6 +4,9 @@ Every token the engine runs is in the trace: a prompt of P tokens with ``new_tok
 P + N rows (fewer when a stop token ends it first), the prompt's rows tagged *prefill* and the
 generated ones *decode*. Prompts run in batches (one forward per step serves the whole batch),
 so the trace also shows the engine recording a batch, not just one sequence.
+
+It loads and runs the model, so it sits beside ``runtime`` and ``generate``, above routing/
+(which holds the trace format, the recorder and everything that reads a trace).
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from moeswap.errors import MoeswapError
-from moeswap.formats.gguf_file import GGUFFile
 from moeswap.generate import generate_batch
 from moeswap.routing.recorder import RoutingRecorder
-from moeswap.routing.traces import RoutingTrace
+from moeswap.routing.traces import RoutingTrace, model_name
+from moeswap.runtime import load
 
 
 @dataclass(frozen=True)
@@ -66,14 +69,12 @@ def record_trace(model_path: str | os.PathLike, prompts: Sequence[Prompt], *, ne
     stop_ids: tokens that end a sequence early (None: the tokenizer's; frozenset(): never).
     on_prompts_done: called with how many prompts have finished, after each batch.
     """
-    import moeswap
-
     if new_tokens < 0:
         raise MoeswapError(f"tokens to generate must be >= 0, got {new_tokens}")
     if not prompts:
         raise MoeswapError("no prompts given; give -p TEXT or --prompts FILE")
     recorder = RoutingRecorder(router_probs=router_probs)
-    runtime = moeswap.load(model_path, threads=threads, recorder=recorder)
+    runtime = load(model_path, threads=threads, recorder=recorder)
     config = runtime.config
     if not config.moe_layers:
         raise MoeswapError(f"{model_path}: this {config.arch} model has no routed experts; "
@@ -96,9 +97,3 @@ def record_trace(model_path: str | os.PathLike, prompts: Sequence[Prompt], *, ne
                           k=config.n_expert_used, prompt_names=[p.name for p in prompts],
                           source=f"moeswap trace of {Path(model_path).name}: greedy, "
                                  f"{new_tokens} new tokens per prompt")
-
-
-def model_name(path: str | os.PathLike, source: GGUFFile | Path) -> str:
-    """The GGUF's general.name when it has one, else the file or folder name."""
-    name = source.get("general.name") if isinstance(source, GGUFFile) else None
-    return str(name) if name else Path(path).stem

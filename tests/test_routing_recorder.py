@@ -15,7 +15,7 @@ import tiny_models
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
 from moeswap.models import load_model
-from moeswap.routing.capture import Prompt, read_prompts, record_trace
+from moeswap.trace_capture import Prompt, read_prompts, record_trace
 from moeswap.routing.recorder import RoutingRecorder
 from moeswap.routing.traces import PHASES
 from moeswap.runtime import load

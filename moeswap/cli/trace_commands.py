@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.progress import Progress, track
 
 from moeswap.errors import MoeswapError
-# capture (the engine, torch) and plots (matplotlib) load inside the commands that use them,
+# trace_capture (the engine, torch) and plots (matplotlib) load inside the commands that use them,
 # so that `moeswap --help` and the trace tools start fast.
 from moeswap.routing import importers, policy_specs, profile, simulate, stats
 from moeswap.routing.traces import RoutingTrace
@@ -75,7 +75,7 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def run_trace(args) -> int:
-    from moeswap.routing import capture
+    from moeswap import trace_capture as capture
 
     if args.prompts:
         prompts = capture.read_prompts(args.prompts)

@@ -13,12 +13,14 @@ explicitly (``append``) and turns them into a ``RoutingTrace`` at the end.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from moeswap.errors import MoeswapError
+from moeswap.formats.gguf_file import GGUFFile
 
 TRACE_FORMAT = "moeswap.trace.v1"
 PHASES = ("prefill", "decode")
@@ -265,3 +267,10 @@ class TraceBuilder:
             prompt_names=[name for name, _ in self._prompts],
             source=self.source,
         )
+
+
+def model_name(path: str | os.PathLike, source: GGUFFile | Path) -> str:
+    """The name a trace records for a model: the GGUF's general.name when it has one, else
+    the file or folder name."""
+    name = source.get("general.name") if isinstance(source, GGUFFile) else None
+    return str(name) if name else Path(path).stem
