@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 
 class MoeswapError(Exception):
@@ -16,3 +18,14 @@ class GGUFFormatError(MoeswapError):
         self.path = str(path)
         self.rule = rule
         super().__init__(f"{self.path}: {message}")
+
+
+@contextmanager
+def write_or_raise(path: str | Path, what: str) -> Iterator[None]:
+    """Run the block that writes ``path``; an OSError becomes a MoeswapError that names the
+    file, ``what`` it is ("the trace") and the usual fix."""
+    try:
+        yield
+    except OSError as e:
+        raise MoeswapError(f"{path}: cannot write {what} ({e.strerror or e}); "
+                           "check that its folder exists and is writable") from None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeswap.errors import MoeswapError
+from moeswap.errors import MoeswapError, write_or_raise
 from moeswap.routing.policies import LearnedReuse, ReuseTable
 from moeswap.routing.simulate import simulate
 from moeswap.routing.stats import popularity
@@ -81,11 +81,8 @@ class Profile:
             },
             "source": self.source,
         }
-        try:
+        with write_or_raise(path, "the profile"):
             Path(path).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        except OSError as e:
-            raise MoeswapError(f"{path}: cannot write the profile ({e.strerror or e}); "
-                               "check that its folder exists and is writable") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

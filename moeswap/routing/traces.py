@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moeswap.errors import MoeswapError
+from moeswap.errors import MoeswapError, write_or_raise
 from moeswap.formats.gguf_file import GGUFFile
 
 TRACE_FORMAT = "moeswap.trace.v1"
@@ -144,12 +144,9 @@ class RoutingTrace:
             arrays["router_probs"] = self.router_probs.astype(np.float16)
         if self.phase is not None:
             arrays["phase"] = self.phase.astype(np.uint8)
-        try:
+        with write_or_raise(path, "the trace"):
             with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz"
                 np.savez_compressed(f, **arrays)
-        except OSError as e:
-            raise MoeswapError(f"{path}: cannot write the trace ({e.strerror or e}); "
-                               "check that its folder exists and is writable") from None
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingTrace:
