@@ -4,7 +4,8 @@ One dataclass for every family; values a family does not use keep their neutral 
 Derived values (head size, attention scale, which layers slide) are filled in ``__post_init__``.
 GGUF semantics are the reference: where llama.cpp hard-codes a per-architecture choice
 (NeoX RoPE, top-k renormalisation) the ``ARCH_TRAITS`` table says so, and a HF config is
-translated into the same fields.
+translated into the same fields. ``config_from_gguf`` and ``config_from_hf`` read the keys every
+family shares; what one family reads differently is its hook in ``formats.families``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from moeswap.errors import MoeswapError
-from moeswap.formats.rope_scaling import Yarn, yarn_from_gguf, yarn_from_hf, yarn_mscale
+from moeswap.formats.families import FAMILIES
+from moeswap.formats.rope_scaling import Yarn, hf_rope_parameters, yarn_from_gguf, yarn_from_hf
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class ModelConfig:
     @property
     def kv_floats_per_token_by_kind(self) -> tuple[int, int]:
         """(numbers per token on full-attention layers, on sliding-window layers): the
-        sliding ones hold only their window (moeswap.experts.options.kv_cache_bytes)."""
+        sliding ones hold only their window (moeswap.memory.kv_cache_bytes)."""
         if self.kv_lora_rank:  # MLA: every layer caches the latent, none slides
             return self.kv_floats_per_token, 0
         swa = sum(2 * self.n_head_kv_swa * self.head_dim_swa for s in self.swa_layers if s)
@@ -171,6 +173,14 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """Layers whose FFN is the MoE block (DeepSeek's leading layers stay dense)."""
         return list(range(self.n_layer_dense_lead, self.n_layer)) if self.is_moe else []
+
+
+# Keys a GGUF may give per layer, accepted when all layers agree (moeswap has one width per
+# model); checked after the family's hook, which may split them by layer type first.
+_ONE_PER_MODEL = {"n_head_kv_swa": "attention.head_count_kv (sliding)",
+                  "n_head_kv": "attention.head_count_kv",
+                  "n_ff": "feed_forward_length",
+                  "n_ff_exp": "expert_feed_forward_length"}
 
 
 def config_from_gguf(gguf_file: Any) -> ModelConfig:
@@ -206,51 +216,23 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         swa_layers = tuple(bool(p) for p in pattern)
     elif pattern is not None:
         swa_layers = tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(n_layer))
-    kv_heads = key("attention.head_count_kv", n_head)
-    n_head_kv_swa = 0
-    if arch == "gemma4":
-        _check_gemma4_gguf(gguf_file.path, key)
-        if isinstance(kv_heads, list):  # one value per layer: sliding layers may differ from global
-            n_head_kv_swa = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv (sliding)",
-                                     [n for n, s in zip(kv_heads, swa_layers) if s])
-            kv_heads = [n for n, s in zip(kv_heads, swa_layers) if not s]
-    n_head_kv = _uniform(gguf_file.path, f"{arch}.attention.head_count_kv", kv_heads)
     scaling_type = key("rope.scaling.type", "linear")
     rope_factor = float(key("rope.scaling.factor", 0.0) or 0.0)
     if scaling_type not in ("none", "linear", "yarn") and rope_factor not in (0.0, 1.0):
         raise MoeswapError(f"{gguf_file.path}: RoPE scaling '{scaling_type}' is not supported "
                            "(supported: none, linear, yarn)")
     yarn = yarn_from_gguf(gguf_file.path, key, arch) if scaling_type == "yarn" else None
-    n_embd = int(required("embedding_length"))
-    head_dim = int(key("attention.key_length", 0))
-    embedding_scale = float(key("embedding_scale", 0.0) or 1.0)
-    attention_scale = float(key("attention.scale", 0.0))
-    if arch == "deepseek2":
-        _check_deepseek2_gguf(gguf_file.path, key)
-        # MLA runs as MQA over the latent: key_length is the cached width, the scale uses
-        # the decompressed per-head key size, times YaRN's mscale(mscale_all_dim) squared.
-        log_mul = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # the converter's 0.1x
-        mscale = yarn_mscale(yarn.factor, log_mul) if yarn else 1.0
-        attention_scale = mscale * mscale / math.sqrt(int(required("attention.key_length_mla")))
-    if arch == "gemma4":
-        embedding_scale, attention_scale = math.sqrt(n_embd), 1.0  # hard-coded in llama.cpp
-    if arch == "gemma3":
-        # Hard-coded in llama.cpp's gemma3 graph: embeddings times sqrt(n_embd), and the
-        # 27B model (62 layers) scales queries by n_embd / n_head instead of the head size.
-        embedding_scale = math.sqrt(n_embd)
-        if n_layer == 62:
-            attention_scale = 1.0 / math.sqrt(n_embd // n_head)
-    return ModelConfig(
+    fields = dict(
         arch=arch,
         n_vocab=int(embd.shape[1]),
-        n_embd=n_embd,
+        n_embd=int(required("embedding_length")),
         n_layer=n_layer,
         n_head=n_head,
-        n_head_kv=n_head_kv,
+        n_head_kv=key("attention.head_count_kv", n_head),
         n_ctx_train=int(key("context_length", 0)),
         rms_eps=float(required("attention.layer_norm_rms_epsilon")),
-        n_ff=_uniform(gguf_file.path, f"{arch}.feed_forward_length", key("feed_forward_length", 0)),
-        head_dim=head_dim,
+        n_ff=key("feed_forward_length", 0),
+        head_dim=int(key("attention.key_length", 0)),
         n_rot=int(key("rope.dimension_count", 0)),
         rope_base=float(key("rope.freq_base", 10000.0)),
         rope_scale=rope_factor if scaling_type == "linear" and rope_factor else 1.0,
@@ -258,15 +240,14 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         rope_base_swa=float(key("rope.freq_base_swa", 10000.0)),
         n_expert=int(key("expert_count", 0)),
         n_expert_used=int(key("expert_used_count", 0)),
-        n_ff_exp=_uniform(gguf_file.path, f"{arch}.expert_feed_forward_length",
-                          key("expert_feed_forward_length", 0)),
+        n_ff_exp=key("expert_feed_forward_length", 0),
         n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
         expert_weights_norm=key("expert_weights_norm"),
         expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
         sliding_window=int(key("attention.sliding_window", 0)),
         swa_layers=swa_layers,
-        attention_scale=attention_scale,
-        embedding_scale=embedding_scale,
+        attention_scale=float(key("attention.scale", 0.0)),
+        embedding_scale=float(key("embedding_scale", 0.0) or 1.0),
         residual_scale=float(key("residual_scale", 0.0) or 1.0),
         logit_scale=float(key("logit_scale", 0.0) or 1.0),
         final_logit_softcap=float(key("final_logit_softcapping", 0.0)),
@@ -279,31 +260,13 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         head_dim_k_mla=int(key("attention.key_length_mla", 0)),
         head_dim_v_mla=int(key("attention.value_length_mla", 0)),
         head_dim_swa=int(key("attention.key_length_swa", 0)),
-        n_head_kv_swa=n_head_kv_swa,
+        n_head_kv_swa=0,
         n_rot_swa=int(key("rope.dimension_count_swa", 0)),
     )
-
-
-def _check_gemma4_gguf(path: Any, key: Callable[..., Any]) -> None:
-    """The Gemma 4 variants moeswap computes: no per-layer embeddings, no shared KV layers."""
-    if key("embedding_length_per_layer_input", 0) or key("attention.shared_kv_layers", 0):
-        raise MoeswapError(f"{path}: Gemma 4 with per-layer embeddings or shared KV layers "
-                           "(E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
-
-
-def _check_deepseek2_gguf(path: Any, key: Callable[..., Any]) -> None:
-    """The DeepSeek-V2 variants moeswap computes: softmax gating, no expert groups."""
-    gating = key("expert_gating_func", 1)
-    if gating not in (0, 1):  # 0: unset, llama.cpp's default for V2 is softmax
-        raise MoeswapError(f"{path}: expert_gating_func={gating} is not supported for deepseek2 "
-                           "(supported: 1, softmax, as in DeepSeek-V2 / V2-Lite)")
-    if int(key("expert_group_count", 0)) > 1:
-        raise MoeswapError(f"{path}: grouped expert selection (expert_group_count > 1) "
-                           "is not supported")
-    if not key("attention.key_length_mla"):
-        raise MoeswapError(f"{path}: key 'deepseek2.attention.key_length_mla' is missing; "
-                           "files with the old fused attn_kv_b tensor are not supported, "
-                           "reconvert with a current convert_hf_to_gguf.py")
+    FAMILIES[arch].gguf_fields(gguf_file.path, key, fields)
+    for name, gguf_key in _ONE_PER_MODEL.items():
+        fields[name] = _uniform(gguf_file.path, f"{arch}.{gguf_key}", fields[name])
+    return ModelConfig(**fields)
 
 
 def _uniform(path: Any, name: str, value: Any) -> int:
@@ -337,22 +300,6 @@ def hf_arch(hf: dict[str, Any], folder: Path) -> str:
                        f"(supported: {', '.join(HF_ARCHITECTURES)})")
 
 
-def hf_rope_parameters(hf: dict[str, Any], kind: str) -> dict[str, Any]:
-    """RoPE parameters for 'full_attention' or 'sliding_attention' (transformers 4 and 5 layouts)."""
-    params = hf.get("rope_parameters")
-    if isinstance(params, dict) and kind in params:
-        return params[kind]
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params
-    legacy = dict(hf.get("rope_scaling") or {})
-    legacy.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    if "type" in legacy:  # transformers 4 named it "type" (DeepSeek-V2-Lite's config.json)
-        legacy.setdefault("rope_type", legacy["type"])
-    if kind == "sliding_attention" and "rope_local_base_freq" in hf:
-        legacy = {"rope_theta": hf["rope_local_base_freq"]}
-    return legacy
-
-
 def _rope_factor(params: dict[str, Any], folder: Path) -> float:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
@@ -372,118 +319,47 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     folder = Path(folder)
     hf = read_hf_config(folder)
     arch = hf_arch(hf, folder)
-    n_layer = hf["num_hidden_layers"]
-    full = hf_rope_parameters(hf, "full_attention")
+    family = FAMILIES[arch]
     window = hf.get("sliding_window") or 0
-    layer_types = hf.get("layer_types")
     swa_layers: tuple[bool, ...] = ()
-    if arch not in ("gemma3", "gpt-oss", "gemma4"):
+    if not family.hf_layer_types:
         window = window if hf.get("use_sliding_window") else 0
-    elif layer_types:
-        swa_layers = tuple(t == "sliding_attention" for t in layer_types)
+    elif hf.get("layer_types"):
+        swa_layers = tuple(t == "sliding_attention" for t in hf["layer_types"])
     n_expert = (hf.get("num_local_experts") or hf.get("num_experts") or hf.get("n_routed_experts")
                 or 0)
-    n_dense_lead = (hf.get("first_k_dense_replace") or 0) if arch == "deepseek2" else 0
-    if arch == "qwen2moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
-        raise MoeswapError(f"{folder}/config.json: Qwen2-MoE with dense layers "
-                           "(mlp_only_layers / decoder_sparse_step) is not supported")
-    n_ff_exp = hf.get("moe_intermediate_size") or (hf["intermediate_size"] if n_expert else 0)
-    if arch == "granitemoe" and hf.get("head_dim"):
-        raise MoeswapError(f"{folder}/config.json: Granite with head_dim is not supported "
-                           "(llama.cpp ignores it too)")
-    attention_scale = 0.0
-    mla: dict[str, Any] = {}
-    gemma4: dict[str, Any] = {}
-    if arch == "gemma4":
-        gemma4 = _gemma4_config(hf, folder, full, swa_layers)
-        n_expert = hf["num_experts"] if hf.get("enable_moe_block") else 0
-        n_ff_exp = hf["moe_intermediate_size"] if n_expert else 0
-        attention_scale = 1.0
-    if arch == "deepseek2":
-        _check_deepseek2_hf(hf, folder)
-        mla = _mla_config(hf)
-        # YaRN's mscale(mscale_all_dim) squared joins the softmax scale (yarn_apply_mscale).
-        mscale_all = full.get("mscale_all_dim", 0) if full.get("rope_type") == "yarn" else 0
-        mscale = yarn_mscale(full.get("factor", 1.0), mscale_all) if mscale_all else 1.0
-        attention_scale = mscale * mscale * mla["head_dim_k_mla"] ** -0.5
-    if arch == "granitemoe":
-        attention_scale = hf.get("attention_multiplier") or 0.0
-    elif arch == "gemma3":
-        attention_scale = hf.get("query_pre_attn_scalar", hf.get("head_dim", 256)) ** -0.5
     fields = dict(
         arch=arch,
         n_vocab=hf["vocab_size"],
         n_embd=hf["hidden_size"],
-        n_layer=n_layer,
+        n_layer=hf["num_hidden_layers"],
         n_head=hf["num_attention_heads"],
         n_head_kv=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         n_ctx_train=hf.get("max_position_embeddings", 0),
         rms_eps=hf.get("rms_norm_eps", 1e-6),
-        n_ff=0 if n_expert and not n_dense_lead and arch != "gemma4" else hf["intermediate_size"],
-        head_dim=(hf.get("head_dim") or 0) if arch != "granitemoe" else 0,
-        rope_base=float(full.get("rope_theta", 10000.0)),
-        rope_scale=_rope_factor(full, folder),
-        yarn=yarn_from_hf(full, hf) if full.get("rope_type") == "yarn" else None,
-        rope_base_swa=float(hf_rope_parameters(hf, "sliding_attention").get("rope_theta", 10000.0)),
+        n_ff=0 if n_expert else hf["intermediate_size"],
+        head_dim=hf.get("head_dim") or 0,
         n_expert=n_expert,
         n_expert_used=(hf.get("num_experts_per_tok") or hf.get("top_k_experts") or 0) if n_expert else 0,
-        n_ff_exp=n_ff_exp,
+        n_ff_exp=hf.get("moe_intermediate_size") or (hf["intermediate_size"] if n_expert else 0),
         n_ff_shexp=hf.get("shared_expert_intermediate_size") or hf.get("shared_intermediate_size") or 0,
-        expert_weights_norm=(hf.get("norm_topk_prob")
-                             if arch in ("qwen2moe", "qwen3moe", "olmoe", "deepseek2") else None),
         expert_weights_scale=hf.get("routed_scaling_factor") or 1.0,
         n_expert_shared=hf.get("n_shared_experts") or 0,
-        n_layer_dense_lead=n_dense_lead,
         sliding_window=window,
         swa_layers=swa_layers,
-        attention_scale=attention_scale,
-        embedding_scale=(hf.get("embedding_multiplier") or 1.0) if arch == "granitemoe"
-        else (hf["hidden_size"] ** 0.5 if arch in ("gemma3", "gemma4") else 1.0),
         residual_scale=hf.get("residual_multiplier") or 1.0,
         logit_scale=hf.get("logits_scaling") or 1.0,
         final_logit_softcap=hf.get("final_logit_softcapping") or 0.0,
         attn_logit_softcap=hf.get("attn_logit_softcapping") or 0.0,
         tied_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
-    return ModelConfig(**{**fields, **mla, **gemma4})
-
-
-def _gemma4_config(hf: dict[str, Any], folder: Path, full_rope: dict[str, Any],
-                   swa_layers: tuple[bool, ...]) -> dict[str, Any]:
-    """Gemma 4's per-layer-type sizes: global layers may have larger heads and fewer kv heads."""
-    if hf.get("hidden_size_per_layer_input") or hf.get("num_kv_shared_layers"):
-        raise MoeswapError(f"{folder}/config.json: Gemma 4 with per-layer embeddings or shared "
-                           "KV layers (E2B / E4B) is not supported; the 26B MoE and 31B layouts are")
-    # "vision" makes only image tokens attend both ways: text alone stays causal.
-    if hf.get("use_double_wide_mlp") or hf.get("use_bidirectional_attention") == "all":
-        raise MoeswapError(f"{folder}/config.json: Gemma 4 with use_double_wide_mlp or "
-                           "use_bidirectional_attention 'all' is not supported")
-    per_layer = hf.get("per_layer_config") or {}
-    full = next((per_layer.get(str(i), {}) for i, s in enumerate(swa_layers) if not s), {})
-    head_dim_full = hf.get("global_head_dim") or full.get("head_dim") or hf["head_dim"]
-    if full_rope.get("rope_type", "default") not in ("default", "proportional"):
-        raise MoeswapError(f"{folder}/config.json: Gemma 4 global RoPE "
-                           f"'{full_rope['rope_type']}' is not supported (supported: proportional)")
-    return dict(head_dim=head_dim_full, n_rot=head_dim_full, head_dim_swa=hf["head_dim"],
-                n_head_kv=full.get("num_key_value_heads") or hf["num_key_value_heads"],
-                n_head_kv_swa=hf["num_key_value_heads"],
-                rope_partial=float(full_rope.get("partial_rotary_factor", 1.0)))
-
-
-def _check_deepseek2_hf(hf: dict[str, Any], folder: Path) -> None:
-    if hf.get("topk_method", "greedy") != "greedy" and (hf.get("n_group") or 1) > 1:
-        raise MoeswapError(f"{folder}/config.json: topk_method '{hf['topk_method']}' with "
-                           f"n_group={hf['n_group']} is not supported (supported: greedy, as in "
-                           "DeepSeek-V2-Lite); llama.cpp's converter drops the groups, changing the routing")
-    if not hf.get("n_routed_experts"):
-        raise MoeswapError(f"{folder}/config.json: DeepSeek-V2 without routed experts "
-                           "is not supported")
-
-
-def _mla_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """DeepSeek MLA sizes: the cache holds one latent (kv_lora_rank + rope dims) per token."""
-    return dict(head_dim=hf["kv_lora_rank"] + hf["qk_rope_head_dim"], n_head_kv=1,
-                n_rot=hf["qk_rope_head_dim"],
-                q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
-                head_dim_k_mla=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
-                head_dim_v_mla=hf["v_head_dim"])
+    family.hf_fields(hf, folder, fields)
+    # RoPE after the hook, so that a family refusing its RoPE variant says so in its own words.
+    full = hf_rope_parameters(hf, "full_attention")
+    fields.update(
+        rope_base=float(full.get("rope_theta", 10000.0)),
+        rope_scale=_rope_factor(full, folder),
+        yarn=yarn_from_hf(full, hf) if full.get("rope_type") == "yarn" else None,
+        rope_base_swa=float(hf_rope_parameters(hf, "sliding_attention").get("rope_theta", 10000.0)),
+    )
+    return ModelConfig(**fields)

@@ -2,8 +2,9 @@
 
 The engine sees one canonical naming and layout: llama.cpp's. The HF loader and ``moeswap
 convert`` both read HF tensors through this table, so a HF folder and its converted GGUF give
-the engine the same tensors. Besides renaming, a rule may say how the tensor changes on the way
-(the same changes llama.cpp's convert_hf_to_gguf.py makes):
+the engine the same tensors. What one family does differently (its own norm names, the Q/K
+permutation, Gemma 3's +1) is in its hooks (``formats.families``). Besides renaming, a rule may
+say how the tensor changes on the way (the same changes llama.cpp's convert_hf_to_gguf.py makes):
 
   expert  the HF tensor is one routed expert; the GGUF tensor stacks them [E, out, in]
   stacked the HF tensor already stacks the experts [E, out, in]
@@ -16,8 +17,8 @@ the engine the same tensors. Besides renaming, a rule may say how the tensor cha
   mxfp4   GPT-OSS's published experts: ``*_blocks`` [E, out, in/32, 16] plus ``*_scales``
           [E, out, in/32]; even / odd then pick rows. Repacked byte for byte into ggml's MXFP4
           (``mxfp4_to_ggml``), never decoded
-  q / k   llama.cpp's Q/K row permutation, for architectures whose GGUF RoPE is not NeoX
-  norm    add 1 to an RMSNorm weight, for Gemma (its HF norm computes x * (1 + w))
+  q / k   llama.cpp's Q/K row permutation, for families whose GGUF RoPE is not NeoX
+  norm    add 1 to an RMSNorm weight, for Gemma 3 (its HF norm computes x * (1 + w))
   squeeze drop the size-1 dimension (Qwen2-MoE's shared-expert gate [1, n_embd])
 """
 
@@ -31,11 +32,7 @@ import torch
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
-
-# Architectures whose converter permutes Q/K (llama.cpp ``LlamaModel.undo_permute``).
-PERMUTED_ARCHS = ("llama", "granitemoe")
-# Architectures whose converter adds 1 to every ``*norm.weight`` (``Gemma3Model.norm_shift``).
-SHIFTED_NORM_ARCHS = ("gemma3",)
+from moeswap.formats.families import FAMILIES
 
 _L = r"model\.layers\.(\d+)\."
 # Ops that cut one HF tensor into parts of several GGUF tensors.
@@ -48,26 +45,19 @@ class NameRule:
     hf: str  # regex over the HF name; group 1 is the layer, group 2 (op "expert") the expert
     gguf: str  # GGUF name, "{layer}" filled in
     ops: str = ""  # "+"-joined ops from the module docstring
-    archs: tuple[str, ...] = ()  # only for these architectures; () = all
 
 
-# First matching rule wins: architecture-specific lines come before the general ones.
+# First matching rule wins; a family's own norm names come before these (``_rules``).
 RULES = (
     NameRule(r"model\.embed_tokens\.weight", "token_embd.weight"),  # all
     NameRule(r"lm_head\.weight", "output.weight"),  # all (absent when tied)
     NameRule(r"model\.norm\.weight", "output_norm.weight", "norm"),  # all
     NameRule(_L + r"input_layernorm\.weight", "blk.{layer}.attn_norm.weight", "norm"),  # all
-    NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.post_attention_norm.weight",
-             "norm", ("gemma3", "gpt-oss", "gemma4")),  # Gemma 3/4: sandwich norm; GPT-OSS: the FFN's pre-norm
-    NameRule(_L + r"pre_feedforward_layernorm\.weight", "blk.{layer}.ffn_norm.weight",
-             "norm", ("gemma3", "gemma4")),  # Gemma 3/4
-    NameRule(_L + r"post_feedforward_layernorm\.weight", "blk.{layer}.post_ffw_norm.weight",
-             "norm", ("gemma3", "gemma4")),  # Gemma 3/4
     NameRule(_L + r"pre_feedforward_layernorm_2\.weight", "blk.{layer}.pre_ffw_norm_2.weight"),  # Gemma 4 MoE
     NameRule(_L + r"post_feedforward_layernorm_1\.weight", "blk.{layer}.post_ffw_norm_1.weight"),  # Gemma 4 MoE
     NameRule(_L + r"post_feedforward_layernorm_2\.weight", "blk.{layer}.post_ffw_norm_2.weight"),  # Gemma 4 MoE
     NameRule(_L + r"layer_scalar", "blk.{layer}.layer_output_scale.weight"),  # Gemma 4
-    NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.ffn_norm.weight"),  # others
+    NameRule(_L + r"post_attention_layernorm\.weight", "blk.{layer}.ffn_norm.weight"),  # all but Gemma, GPT-OSS
     NameRule(_L + r"self_attn\.q_proj\.weight", "blk.{layer}.attn_q.weight", "q"),  # all
     NameRule(_L + r"self_attn\.k_proj\.weight", "blk.{layer}.attn_k.weight", "k"),  # all
     NameRule(_L + r"self_attn\.v_proj\.weight", "blk.{layer}.attn_v.weight"),  # all
@@ -142,10 +132,6 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 _OTHER_MODALITIES = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|embed_vision|"
                                r"audio_tower|embed_audio)\.")
 
-# Expert tensors: GGUF name suffix -> the kind the engine asks an expert for.
-EXPERT_KINDS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
-                "ffn_down_exps.weight": "down"}
-
 
 @dataclass(frozen=True)
 class Part:
@@ -160,14 +146,13 @@ def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
     """GGUF name -> its parts (per-expert parts sorted by expert). Unknown names are an error."""
     result: dict[str, list[Part]] = {}
     unknown = []
+    rules = _rules(arch)
     for hf_name in hf_names:
         if _IGNORED.match(hf_name) or _OTHER_MODALITIES.match(hf_name):
             continue
         text_name = _text_model_name(hf_name)
         matched = False
-        for pattern, rule in _COMPILED:
-            if rule.archs and arch not in rule.archs:
-                continue
+        for pattern, rule in rules:
             m = pattern.fullmatch(text_name)
             if m is None:
                 continue
@@ -186,6 +171,13 @@ def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
     for parts in result.values():
         parts.sort(key=lambda p: -1 if p.expert is None else p.expert)
     return result
+
+
+def _rules(arch: str) -> tuple[tuple[re.Pattern[str], NameRule], ...]:
+    """The family's own norm names first: the general lines would name those norms otherwise."""
+    own = tuple(NameRule(_L + re.escape(hf) + r"\.weight", f"blk.{{layer}}.{gguf}.weight", "norm")
+                for hf, gguf in FAMILIES[arch].hf_layer_norms.items())
+    return tuple((re.compile(rule.hf), rule) for rule in own) + _COMPILED
 
 
 def _text_model_name(hf_name: str) -> str:
@@ -208,16 +200,16 @@ def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def transform(w: torch.Tensor, ops: frozenset[str], config: ModelConfig) -> torch.Tensor:
     """Apply a part's element-level ops (not the expert/half selection) in llama.cpp's order."""
-    arch = config.arch
-    if "q" in ops and arch in PERMUTED_ARCHS:
+    family = FAMILIES[config.arch]
+    if "q" in ops and family.hf_qk_permuted:
         w = llama_permute(w, config.n_head)
-    if "k" in ops and arch in PERMUTED_ARCHS:
+    if "k" in ops and family.hf_qk_permuted:
         w = llama_permute(w, config.n_head_kv)
     if "t" in ops:
         w = w.transpose(-1, -2)
     if {"kb", "vb"} & ops:
         w = split_kv_b(w, config, "kb" in ops)
-    if "norm" in ops and arch in SHIFTED_NORM_ARCHS:
+    if "norm" in ops and family.hf_norm_plus_one:
         w = w + 1.0
     if "squeeze" in ops:
         w = w.reshape(-1)

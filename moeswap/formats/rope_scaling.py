@@ -1,5 +1,5 @@
-"""YaRN RoPE scaling as GGUF metadata (llama.cpp's reading) and HF configs (transformers')
-describe it: the parameters only; ``models.blocks.Rope`` computes with them."""
+"""RoPE parameters as HF configs (transformers') and, for YaRN scaling, GGUF metadata (llama.cpp's
+reading) describe them: the parameters only; ``models.blocks.Rope`` computes with them."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def yarn_from_gguf(path: Any, key: Callable[..., Any], arch: str) -> Yarn | None:
-    """llama.cpp's YaRN: cos/sin times mscale(factor) * rope.scaling.attn_factor, except for
-    DeepSeek-V2 with a log multiplier, where llama.cpp takes mscale = mscale_all_dim (ratio 1)."""
+    """llama.cpp's YaRN: cos/sin times mscale(factor) * rope.scaling.attn_factor (DeepSeek-V2
+    with a log multiplier keeps attn_factor alone: ``families.deepseek2``)."""
     factor = float(key("rope.scaling.factor", 0.0) or 0.0)
     if factor <= 1.0:
         return None
@@ -38,11 +38,25 @@ def yarn_from_gguf(path: Any, key: Callable[..., Any], arch: str) -> Yarn | None
     if not orig_ctx:
         raise MoeswapError(f"{path}: YaRN RoPE scaling without "
                            f"'{arch}.rope.scaling.original_context_length'")
-    deepseek_log_mul = arch == "deepseek2" and key("rope.scaling.yarn_log_multiplier", 0.0)
-    mscale = 1.0 if deepseek_log_mul else yarn_mscale(factor)
     return Yarn(factor, int(orig_ctx), float(key("rope.scaling.yarn_beta_fast", 32.0)),
                 float(key("rope.scaling.yarn_beta_slow", 1.0)), True,
-                mscale * float(key("rope.scaling.attn_factor", 1.0)))
+                yarn_mscale(factor) * float(key("rope.scaling.attn_factor", 1.0)))
+
+
+def hf_rope_parameters(hf: dict[str, Any], kind: str) -> dict[str, Any]:
+    """RoPE parameters for 'full_attention' or 'sliding_attention' (transformers 4 and 5 layouts)."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and kind in params:
+        return params[kind]
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params
+    legacy = dict(hf.get("rope_scaling") or {})
+    legacy.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if "type" in legacy:  # transformers 4 named it "type" (DeepSeek-V2-Lite's config.json)
+        legacy.setdefault("rope_type", legacy["type"])
+    if kind == "sliding_attention" and "rope_local_base_freq" in hf:
+        legacy = {"rope_theta": hf["rope_local_base_freq"]}
+    return legacy
 
 
 def yarn_from_hf(params: dict[str, Any], hf: dict[str, Any]) -> Yarn:

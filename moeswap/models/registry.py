@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import moeswap.models.deepseek2 as deepseek2
+import moeswap.models.gemma3 as gemma3
+import moeswap.models.gemma4 as gemma4
+import moeswap.models.gpt_oss as gpt_oss
+import moeswap.models.granitemoe as granitemoe
+import moeswap.models.llama as llama
+import moeswap.models.qwen2moe as qwen2moe
+import moeswap.models.qwen3moe as qwen3moe
 from moeswap.errors import MoeswapError
-from moeswap.models import deepseek2, gemma3, gemma4, gpt_oss, granitemoe, llama, qwen2moe, qwen3moe
 
 FAMILIES: dict[str, ModuleType] = {
     "llama": llama,
