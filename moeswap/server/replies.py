@@ -1,0 +1,100 @@
+"""The OpenAI response objects of one call (``Reply``): the whole reply, or its SSE chunks
+ending in ``data: [DONE]``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moeswap.server.api_errors import ApiError, error_body
+from moeswap.server.choices import Choices, GenerationFailed, Piece
+
+
+class Reply:
+    """Builds the OpenAI response objects of one call."""
+
+    def __init__(self, kind: str, id: str, model: str, prompt_tokens: int):
+        self.kind, self.id, self.model, self.prompt_tokens = kind, id, model, prompt_tokens
+        self.created = int(time.time())
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def _head(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def whole(self, pieces: list[Piece], n: int) -> dict:
+        texts, finish, used = [""] * n, [None] * n, 0
+        for p in pieces:
+            texts[p.index] += p.text
+            if p.finish_reason is not None:
+                finish[p.index] = p.finish_reason
+                used += p.completion_tokens
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": None, "finish_reason": finish[i]} for i in range(n)]
+        else:
+            choices = [{"index": i, "text": texts[i], "logprobs": None,
+                        "finish_reason": finish[i]} for i in range(n)]
+        return {**self._head(self.kind), "choices": choices, "usage": self._usage(used)}
+
+    def _chunk(self, index: int, text: str | None, finish_reason: str | None,
+               role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else \
+                ({"content": text} if text is not None else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    async def sse(self, choices: Choices, n: int, include_usage: bool) -> AsyncIterator[str]:
+        def event(obj: dict) -> str:
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        used = 0
+        try:
+            if self.chat:
+                for i in range(n):
+                    yield event(self._chunk(i, None, None, role=True))
+            async for p in choices.pieces():
+                if p.text:
+                    yield event(self._chunk(p.index, p.text, None))
+                if p.finish_reason is not None:
+                    used += p.completion_tokens
+                    yield event(self._chunk(p.index, None, p.finish_reason))
+            if include_usage:
+                head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+                yield event({**head, "choices": [], "usage": self._usage(used)})
+        except GenerationFailed as e:
+            yield event(error_body(str(e), "server_error"))
+        yield "data: [DONE]\n\n"
+
+
+async def complete(reply: Reply, choices: Choices, n: int, request: Request) -> JSONResponse:
+    """Collect the whole reply, cancelling it if the client goes away meanwhile."""
+    async def collect():
+        return [piece async for piece in choices.pieces()]
+
+    task = asyncio.ensure_future(collect())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            choices.cancel()
+            raise ApiError(499, "client disconnected")
+    try:
+        pieces = task.result()
+    except GenerationFailed as e:
+        raise ApiError(500, str(e), type="server_error") from None
+    return JSONResponse(reply.whole(pieces, n))

@@ -1,0 +1,198 @@
+"""The HTTP routes: one small handler each, over an explicit ``ServerState``.
+
+``Routes(state).register(app)`` adds them to a FastAPI app; ``ROUTE_TABLE`` lists them, and
+``ROUTES`` (the metrics' path labels) comes from it. ``PUBLIC``: the routes served without the
+API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+import weakref
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from moeswap.chat_template import ChatTemplateError
+from moeswap.context_window import ContextOverflow, common_prefix_length, fit_context
+from moeswap.errors import MoeswapError
+from moeswap.sampling import SamplingParams
+from moeswap.server.activity import expert_view
+from moeswap.server.api_errors import ApiError, invalid
+from moeswap.server.batching import NotRunning, QueueFull
+from moeswap.server.choices import Choices
+from moeswap.server.metrics import render_metrics
+from moeswap.server.replies import Reply, complete
+from moeswap.server.schemas import MIN_TEMPERATURE, ChatBody, CompletionBody, SamplingBody
+from moeswap.server.state import PAGE_FILES, ServerOptions, ServerState
+
+# (method, path, Routes method name)
+ROUTE_TABLE = (
+    ("GET", "/health", "health"),
+    ("GET", "/metrics", "metrics"),
+    ("GET", "/v1/moeswap/experts", "experts"),
+    ("GET", "/", "index"),
+    ("GET", "/page.js", "page_js"),
+    ("GET", "/page.css", "page_css"),
+    ("GET", "/v1/models", "models"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+)
+PUBLIC = ("/health", "/", "/page.js", "/page.css")  # the page's three files hold no data
+ROUTES = tuple(path for _, path, _ in ROUTE_TABLE)
+
+
+class Routes:
+    """The handlers, as methods over one server's state (nothing else is shared)."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def register(self, app: FastAPI) -> None:
+        for method, path, name in ROUTE_TABLE:
+            app.add_api_route(path, getattr(self, name), methods=[method])
+
+    async def health(self):
+        scheduler = self.state.scheduler
+        body = {"status": "ok" if scheduler.alive else "error", "queue_depth": scheduler.queue_depth,
+                "batch_size": scheduler.active_count}
+        return JSONResponse(body, status_code=200 if scheduler.alive else 503)
+
+    async def metrics(self):
+        s = self.state
+        # waits for the current step to end, so off the event loop
+        stats = await asyncio.to_thread(s.scheduler.read_model, getattr(s.runtime, "stats", dict))
+        return PlainTextResponse(render_metrics(s.scheduler, s.http_counts, stats),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def experts(self):
+        s = self.state
+        view = await asyncio.to_thread(s.scheduler.read_model, lambda: expert_view(
+            s.runtime, s.activity, s.scheduler, s.options.model_name))
+        return JSONResponse(view, headers={"Cache-Control": "no-store"})
+
+    def _page_file(self, name: str) -> Response:
+        return Response(self.state.page[name], media_type=PAGE_FILES[name])
+
+    async def index(self):
+        return self._page_file("index.html")
+
+    async def page_js(self):
+        return self._page_file("page.js")
+
+    async def page_css(self):
+        return self._page_file("page.css")
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.state.options.model_name, "object": "model",
+                                            "created": self.state.created, "owned_by": "moeswap"}]}
+
+    async def completions(self, request: Request):
+        runtime, options = self.state.runtime, self.state.options
+        body = await _parse(request, CompletionBody)
+        _check_body(body, options)
+        try:
+            ids = runtime.encode(body.prompt)
+        except Exception as e:
+            raise ApiError(400, f"prompt: cannot tokenize: {e}", param="prompt") from None
+        if any(not 0 <= i < runtime.tokenizer.vocab_size for i in ids):
+            raise ApiError(400, f"prompt: token ids must be in [0, {runtime.tokenizer.vocab_size})",
+                           param="prompt")
+        keep = 1 if ids and ids[0] == runtime.tokenizer.bos_id else 0
+        return await self._respond(body, ids, keep, request, "text_completion", "cmpl")
+
+    async def chat_completions(self, request: Request):
+        runtime, options = self.state.runtime, self.state.options
+        body = await _parse(request, ChatBody)
+        _check_body(body, options)
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            ids = runtime.chat_prompt_ids(messages)
+            keep = _system_prefix_length(runtime, messages, ids) \
+                if options.ctx_policy == "keep-recent" else 0
+        except MoeswapError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        return await self._respond(body, ids, keep, request, "chat.completion", "chatcmpl")
+
+    async def _respond(self, body: SamplingBody, ids: list[int], keep: int, request: Request,
+                       kind: str, id_prefix: str):
+        options = self.state.options
+        ctx = options.batch.ctx
+        max_tokens = body.max_tokens if kind == "text_completion" else body.reply_limit
+        try:
+            ids = fit_context(ids, ctx, max_tokens=max_tokens or ctx, policy=options.ctx_policy,
+                              keep_prefix=keep)
+        except ContextOverflow as e:
+            raise ApiError(400, str(e), param="messages" if kind != "text_completion" else "prompt",
+                           code="context_length_exceeded") from None
+        if not ids:
+            raise ApiError(400, "prompt: empty; give at least one token", param="prompt")
+        params = _sampling_params(body)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        try:
+            choices = Choices(self.state.scheduler, self.state.runtime.tokenizer, ids, n=body.n,
+                              max_tokens=max_tokens or ctx, params=params, stops=stops)
+        except QueueFull as e:
+            raise ApiError(429, str(e), type="requests", code="rate_limit_exceeded") from None
+        except NotRunning as e:
+            raise ApiError(503, str(e), type="server_error") from None
+        reply = Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", options.model_name, len(ids))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = reply.sse(choices, body.n, include_usage)
+            # a stream that never starts (client gone first) never runs its own cleanup
+            weakref.finalize(stream, choices.cancel)
+            return StreamingResponse(stream, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await complete(reply, choices, body.n, request)
+
+
+def _sampling_params(body: SamplingBody) -> SamplingParams:
+    temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0
+    seed = None if body.seed is None else body.seed % 2**62  # any int; torch takes 64 bits
+    return SamplingParams(temperature=temperature, top_k=body.top_k, top_p=body.top_p,
+                          min_p=body.min_p, repeat_penalty=body.repeat_penalty, seed=seed)
+
+
+async def _parse(request: Request, schema: type[SamplingBody]) -> SamplingBody:
+    """The body as JSON whatever its Content-Type says (curl -d sends a form type)."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as e:
+        raise invalid(e.errors()) from None
+
+
+def _check_body(body: SamplingBody, options: ServerOptions) -> None:
+    if body.model != options.model_name:
+        raise ApiError(404, f"the model `{body.model}` does not exist; this server has "
+                            f"`{options.model_name}` (GET /v1/models)", param="model",
+                       code="model_not_found")
+    if body.n > options.batch.max_batch:
+        raise ApiError(400, f"n: {body.n} choices asked; at most {options.batch.max_batch} "
+                            "(--max-batch)", param="n")
+    unsupported = body.unsupported_fields()
+    if unsupported:
+        raise ApiError(400, f"{', '.join(unsupported)}: not supported by moeswap",
+                       param=unsupported[0], code="unsupported_parameter")
+    if isinstance(body.stop, list) and len(body.stop) > 4:
+        raise ApiError(400, "stop: at most 4 stop strings", param="stop")
+
+
+def _system_prefix_length(runtime: Any, messages: list[dict], ids: list[int]) -> int:
+    """How many leading prompt tokens the keep-recent policy keeps: BOS and the system prompt."""
+    system = []
+    for m in messages:
+        if m["role"] not in ("system", "developer"):
+            break
+        system.append(m)
+    bos = 1 if ids and ids[0] == runtime.tokenizer.bos_id else 0
+    if not system:
+        return bos
+    try:
+        alone = runtime.chat_prompt_ids(system, add_generation_prompt=False)
+    except ChatTemplateError:
+        return bos
+    return max(bos, common_prefix_length(alone, ids))

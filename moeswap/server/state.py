@@ -1,0 +1,52 @@
+"""What one server holds: its options (``ServerOptions``) and its state (``ServerState``: the
+runtime, the batch scheduler, the web page's bytes, the HTTP counters). ``create_app`` builds
+the state once; the route handlers (moeswap.server.routes) read it and nothing else."""
+
+from __future__ import annotations
+
+import importlib.resources
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from moeswap.context_window import POLICIES
+from moeswap.errors import MoeswapError
+from moeswap.server.activity import ExpertActivity
+from moeswap.server.batching import BatchOptions, BatchScheduler
+from moeswap.server.metrics import HttpCounts
+
+# The web page's files: name -> media type. Served without the API key: they hold no data.
+PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.js": "text/javascript; charset=utf-8",
+              "page.css": "text/css; charset=utf-8"}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model_name: str
+    batch: BatchOptions = BatchOptions()
+    ctx_policy: str = "error"  # or "keep-recent" (moeswap.context_window)
+    api_key: str | None = None
+
+    def __post_init__(self):
+        if self.ctx_policy not in POLICIES:
+            raise MoeswapError(f"--ctx-policy must be one of {', '.join(POLICIES)}, "
+                               f"got {self.ctx_policy!r}")
+
+
+@dataclass
+class ServerState:
+    runtime: Any
+    options: ServerOptions
+    scheduler: BatchScheduler
+    activity: ExpertActivity | None  # without one, the experts' ``last_use`` is all null
+    page: dict[str, bytes]  # PAGE_FILES' contents
+    http_counts: HttpCounts
+    created: int  # when the server started (unix seconds), the model's "created"
+
+    @classmethod
+    def create(cls, runtime: Any, options: ServerOptions,
+               activity: ExpertActivity | None = None) -> ServerState:
+        scheduler = BatchScheduler(runtime.model, options.batch)
+        web = importlib.resources.files("moeswap.server") / "web"
+        page = {name: (web / name).read_bytes() for name in PAGE_FILES}
+        return cls(runtime, options, scheduler, activity, page, HttpCounts(), int(time.time()))
