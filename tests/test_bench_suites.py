@@ -70,3 +70,16 @@ def test_offload_suite_rss_check_and_table(tiny_gguf, tmp_path):
     assert shares == [0.0, 0.10, 0.25, 0.50, 1.0]
     hits = [r["hit_rate"] for r in report["results"]]
     assert hits[-1] >= hits[0]  # every expert fits: nothing misses after the first reads
+
+
+def test_prefetch_suite_table_and_stress(tiny_gguf, tmp_path):
+    report = suite(tmp_path / "table", "prefetch", "table", "--model", str(tiny_gguf),
+                   "--tokens", "3", "--repeats", "1", "--settings", "off", "depth 2 held on",
+                   "--threads", "1")
+    assert list(report["runs"]) == ["off", "depth 2 held on"]
+    held = report["runs"]["depth 2 held on"][0]
+    assert held["tokens"] == report["runs"]["off"][0]["tokens"] and "reads" in held
+    assert "| depth 2 held on | " in (tmp_path / "table" / "report.md").read_text()
+    report = suite(tmp_path / "stress", "prefetch", "stress", "--model", str(tiny_gguf),
+                   "--steps", "64", "--threads", "1")
+    assert report["passed"] is True and set(report["runs"]) == {"off", "both", "both held on"}

@@ -44,14 +44,14 @@ def other_family(request, tmp_path_factory):
 
 def held_on(store):
     """The throttle bypassed: prefetch runs from the first forward (it probes off first)."""
-    if store.lookahead.prefetch is not None:
+    if store.lookahead is not None:
         store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
     return store
 
 
 def reading_every_guess(store):
     """Held on, and the precision rules bypassed too: every guess is read, right or wrong."""
-    if held_on(store).prefetch is not None:
+    if held_on(store).lookahead is not None:
         store.lookahead.prefetch._reads_wanted = lambda target, depth: True
     return store
 
@@ -134,7 +134,7 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
                 assert held[tier] <= budget
                 assert set(store.residency.slots[tier]) == store.residency.policies[tier].resident()
                 # guesses stay outside the policies: they decide exactly as without prefetch
-                assert store.residency.policies[tier].resident() == without.policies[tier].resident()
+                assert store.residency.policies[tier].resident() == without.residency.policies[tier].resident()
             assert not set(store.residency.guesses.slots) & set(store.residency.slots["host"])
             assert len(store.residency.pools["host"].holder) == len(store.residency.slots["host"]) + \
                 len(store.residency.guesses.slots)
@@ -270,7 +270,7 @@ def test_run_command_prints_prefetch(tmp_path, capsys):
 
 def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     """A tiny budget, guesses four layers ahead, 800 layer steps (the 10,000-step run on the
-    shipped model is `python scripts/bench_prefetch.py stress`, docs/OFFLOAD.md)."""
+    shipped model is `moeswap bench --suite prefetch stress`, docs/OFFLOAD.md)."""
     gguf = GGUFFile.open(deep_mixtral)
     fixed, slot, layers, n_experts = plan(deep_mixtral)
     kernels = CpuKernels(1)
