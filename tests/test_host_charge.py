@@ -57,7 +57,7 @@ def figures(path) -> dict[str, int]:
                          batch_charge(BatchOptions(max_batch=2, ctx=40, step_tokens=8)))
     sizes = model_sizes(gguf)
     plan = make_plan(sizes, Budget(0, 1 << 30, 40, step_tokens=8), plan_rates({}))
-    return {"store": store.residency.charged["host"], "serve": served.charged["host"],
+    return {"store": store.residency.charged["host"], "serve": served.residency.charged["host"],
             "bench": ModelFacts.of(str(path)).budget(0, charge),
             "planner": sizes.host_charged(charge), "plan": plan.host_charged}
 

@@ -19,6 +19,7 @@ import moeswap
 from moeswap.context_window import ContextOverflow, fit_context
 from moeswap.experts.build import build_store
 from moeswap.experts.settings import OffloadSettings
+from moeswap.memory import HostCharge
 from moeswap.sampling import GREEDY, Sampler
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions, BatchScheduler
@@ -205,7 +206,6 @@ def test_batched_requests_share_expert_loads(tiny_path, tmp_path):
     """With room for fewer experts than the model has, four requests decoded together read
     fewer expert bytes than the same four one after another, and produce the same tokens."""
     from moeswap.experts.store import shared_bytes
-    from moeswap.memory import HostCharge
     from moeswap.experts.tiers import slot_bytes
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile

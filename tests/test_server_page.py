@@ -25,6 +25,7 @@ from moeswap.server.batching import BatchOptions
 from test_server import MODEL, TEMPLATE, load, one_thread, wait_until, write_model  # noqa: F401
 
 CTX, PROMPT, N_TOKENS = 32, "abcab", 4
+CHARGE = HostCharge.for_sequence(CTX * 8)  # the KV cache of 8 batch slots
 
 
 @pytest.fixture(scope="module")

@@ -39,7 +39,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cold-reads", action="store_true",
                    help="drop read expert bytes from the page cache (for measuring the disk tier)")
     # On by default: adaptive prefetch was measured faster over a slow link and within
-    # run-to-run noise of off elsewhere (docs/OFFLOAD.md, "Prefetch measurements").
+    # run-to-run noise of off elsewhere (docs/BENCHMARKS.md, "Prefetch measurements").
     g.add_argument("--prefetch", choices=PREDICTORS, default="gate",
                    help="read the next layers' likely experts from disk into a few host slots "
                         "reserved for them (from --host-mem) while a layer computes, guessed by "

@@ -9,6 +9,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
+from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
 from moeswap.errors import MoeswapError
 
 
@@ -18,12 +19,7 @@ def register(subparsers) -> None:
                                              "(default: the built-in model, docs/MODEL.md)")
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (128)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (0.8)")
-    p.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
-    p.add_argument("--top-p", type=float, default=0.95, help="1 turns it off (0.95)")
-    p.add_argument("--min-p", type=float, default=0.05, help="0 turns it off (0.05)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1 turns it off (1.0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    add_sampling_arguments(p)
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--trace", metavar="OUT.npz",
                    help="record every routing decision and write the trace here (moeswap stats)")
@@ -44,12 +40,10 @@ def run_generate(args) -> int:
     from moeswap.generate import GenerationStats, check_step_tokens
     from moeswap.memory import HostCharge
     from moeswap.runtime import peak_rss_bytes
-    from moeswap.sampling import SamplingParams
 
     # Checked before loading, which can take minutes.
     check_step_tokens(args.step_tokens)
-    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed)
+    sampling = sampling_params(args)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     model_path = args.model or moeswap.DEFAULT_MODEL
     recorder = None
@@ -128,7 +122,7 @@ def auto_budgets(args, model_path, context: int, console,
 
 
 def save_trace(recorder, runtime, model_path, out_path) -> None:
-    from moeswap.routing.capture import model_name
+    from moeswap.routing.traces import model_name
 
     config = runtime.config
     trace = recorder.trace(model=model_name(model_path, runtime.model.source), arch=config.arch,

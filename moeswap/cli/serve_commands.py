@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings)
+from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
 
 
 def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
@@ -37,11 +38,7 @@ def register(subparsers) -> None:
     _add_model_arguments(c, "positions of the whole conversation (4096)")
     c.add_argument("--system", default=None, help="a system prompt")
     c.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (512)")
-    c.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy (0.8)")
-    c.add_argument("--top-k", type=int, default=40, help="0 turns it off (40)")
-    c.add_argument("--top-p", type=float, default=0.95, help="1 turns it off (0.95)")
-    c.add_argument("--min-p", type=float, default=0.05, help="0 turns it off (0.05)")
-    c.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+    add_sampling_arguments(c)
     c.set_defaults(handler=run_chat)
 
 
@@ -80,10 +77,8 @@ def run_chat(args) -> int:
 
     from moeswap.chat import ChatOptions, ChatSession
     from moeswap.memory import HostCharge
-    from moeswap.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p,
-                              min_p=args.min_p, seed=args.seed)
+    sampling = sampling_params(args)
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
                           system=args.system, step_tokens=args.step_tokens)
     # a turn's new tokens may fill the context; they are fed a chunk at a time

@@ -13,8 +13,8 @@ from moeswap.experts.cost import Rates
 from moeswap.planner.probe import DEFAULT_CACHE, Overheads, read_cache, read_overheads
 
 # Conservative, in bytes per second: a SATA-class SSD read cold, a 2-core product over stored
-# bytes (docs/OFFLOAD.md: this machine's ggml kernels reach ~10 GB/s), PCIe 3.0 x16 as used, and
-# a consumer GPU's product over quantized bytes well under its memory bandwidth.
+# bytes (well under the 46 GB/s `moeswap probe` measured here, docs/BENCHMARKS.md), PCIe 3.0
+# x16 as used, and a consumer GPU's product over quantized bytes well under its memory bandwidth.
 DEFAULT_RATES = Rates(disk_read=0.5e9, link=10e9, host_compute=8e9, device_compute=300e9)
 # Conservative fixed costs: a cold read waits 0.2 ms before its bytes flow (a SATA SSD's random
 # read; then disk_read); a block of a decode step costs 0.5 ms of torch work and each expert the
