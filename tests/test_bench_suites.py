@@ -83,3 +83,17 @@ def test_prefetch_suite_table_and_stress(tiny_gguf, tmp_path):
     report = suite(tmp_path / "stress", "prefetch", "stress", "--model", str(tiny_gguf),
                    "--steps", "64", "--threads", "1")
     assert report["passed"] is True and set(report["runs"]) == {"off", "both", "both held on"}
+
+
+def test_kernels_suite_smoke(tmp_path):
+    report = suite(tmp_path, "kernels", "--size", "smoke", "--types", "Q8_0,Q4_K",
+                   "--threads", "1", "--repeats", "1")
+    assert report["shape"] == [256, 256] and [t["type"] for t in report["types"]] == ["Q8_0", "Q4_K"]
+    cell = report["types"][0]["tokens"]["1"]
+    assert cell["gbs"] > 0 and cell["nmse_vs_float64"] < 1e-2
+    assert report["machine"]["cores"]  # the report's header, not the kernels' own fields
+
+
+def test_kernels_suite_refuses_an_unknown_type(tmp_path, capsys):
+    assert main(["bench", "--suite", "kernels", "--types", "Q8_0,Q9_9", "-o", str(tmp_path)]) == 2
+    assert "no kernel for Q9_9" in capsys.readouterr().err

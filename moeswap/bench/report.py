@@ -117,9 +117,9 @@ def write_suite_report(out_dir: Path, suite: str, command: str, body: dict, text
     then ``text``) in ``out_dir`` -> the report."""
     from moeswap.bench.environment import load_average, machine, versions
 
-    report = {"suite": suite, "command": command,
+    report = {**body, "suite": suite, "command": command,
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-              "load_average": load_average(), "versions": versions(), **body}
+              "load_average": load_average(), "versions": versions()}
     m = report["machine"]
     header = [f"Command: `{command}` ({report['date']})", "",
               f"Machine: {m['cpu']}, {m['cores']} cores, {mib(m['ram_bytes'])} MiB RAM, "

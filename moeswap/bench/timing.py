@@ -10,6 +10,7 @@ prompts run one after another it includes the wait for the earlier ones.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Protocol
 
@@ -70,3 +71,15 @@ def figures(*, prompt_tokens: int, prompt_s: float, decode_tokens: int, decode_s
             "ttft_s": sum(first_tokens) / len(first_tokens), "ttft_max_s": max(first_tokens),
             "generated_tokens": generated, "wall_s": wall_s,
             "throughput_tok_s": generated / wall_s if wall_s else None, "outputs": outputs}
+
+
+def median_seconds(function, repeats: int) -> float:
+    """The median of ``repeats`` timed calls, after one untimed call (it prepares the graph and
+    faults the pages in)."""
+    function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -1,44 +1,43 @@
-"""Benchmark moeswap's quantized CPU kernels: matrix-vector GB/s against the memory roofline.
+"""``--suite kernels``: moeswap's quantized CPU kernels, matrix-vector GB/s against the memory
+roofline (was scripts/bench_kernels.py).
 
 For each weight type: time ``QuantMatrix.matmul`` on one random [out, in] matrix for 1..N
 tokens, versus torch's fp32 product with the dequantized matrix (the form it would otherwise
 take); bandwidth = bytes of the weight as stored / time. The roofline is the read bandwidth of
 a torch sum over a buffer larger than the caches. Also reported: the per-call overhead of a
 tiny product, and the accuracy cost of quantizing activations (NMSE against the fp32 product
-of the dequantized matrix, and against float64).
-
-    python scripts/bench_kernels.py --json bench.json --markdown bench.md
+of the dequantized matrix, and against float64). The whole measurement runs in one worker.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from rich.progress import Progress
 
+from moeswap.bench.timing import median_seconds
+from moeswap.bench.worker import run_call
+from moeswap.errors import MoeswapError
 from moeswap.quant import SUPPORTED_TYPES, CpuKernels, quantize_rows
 from moeswap.quant.kernels import default_thread_count
 from moeswap.quant.reference import dequantize_matrix
 
 DEFAULT_TYPES = ("Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "F16")
+SIZES = {"full": dict(shape="14336x4096", tokens="1,4,32", repeats=20),
+         "smoke": dict(shape="256x256", tokens="1,4", repeats=2)}
 
 
-def median_seconds(function, repeats: int) -> float:
-    function()  # warm: prepares the graph, faults the pages in
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def add_arguments(p) -> None:
+    p.add_argument("--size", choices=SIZES, default="full",
+                   help="full: a 14336x4096 matrix, 1/4/32 tokens, 20 repeats; smoke: tiny")
+    p.add_argument("--shape", help="OUTxIN of the matrix (the size's unless given)")
+    p.add_argument("--types", default=",".join(DEFAULT_TYPES))
+    p.add_argument("--tokens", help="token counts to time, e.g. 1,4,32 (the size's unless given)")
+    p.add_argument("--threads", type=int, default=default_thread_count())
+    p.add_argument("--repeats", type=int, help="timed calls per figure (the size's unless given)")
 
 
 def read_roofline_gbs(n_threads: int, repeats: int) -> float:
@@ -88,9 +87,9 @@ def call_overhead_us(kernels: CpuKernels, repeats: int) -> float:
     return median_seconds(lambda: [matrix.matmul(x) for _ in range(100)], repeats) / 100 * 1e6
 
 
-def to_markdown(report: dict) -> str:
+def markdown(report: dict) -> str:
     lines = [f"Matrix {report['shape'][0]}x{report['shape'][1]}, {report['threads']} threads, "
-             f"{report['machine']}; read roofline {report['roofline_gbs']:.1f} GB/s; "
+             f"{report['cpu_arch']}; read roofline {report['roofline_gbs']:.1f} GB/s; "
              f"per-call overhead {report['call_overhead_us']:.1f} us.", "",
              "| type | tokens | ms | GB/s | % roofline | torch fp32 ms | speed-up | "
              "NMSE vs fp32 | NMSE vs f64 |",
@@ -105,43 +104,32 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", default="14336x4096", help="OUTxIN of the matrix")
-    parser.add_argument("--types", default=",".join(DEFAULT_TYPES))
-    parser.add_argument("--tokens", default="1,4,32", help="token counts to time")
-    parser.add_argument("--threads", type=int, default=default_thread_count())
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--json", type=Path, help="write the report as JSON here")
-    parser.add_argument("--markdown", type=Path, help="write the report as a markdown table here")
-    args = parser.parse_args()
-    height, width = (int(n) for n in args.shape.lower().split("x"))
+def measure(shape: list[int], type_names: list[str], token_counts: list[int], threads: int,
+            repeats: int) -> dict:
+    """In a worker: the roofline, the call overhead and every type's figures."""
+    torch.set_num_threads(threads)
+    kernels = CpuKernels(n_threads=threads)
+    return {"cpu_arch": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "ggml": kernels.ggml.version, "threads": threads, "shape": shape,
+            "roofline_gbs": read_roofline_gbs(threads, repeats),
+            "call_overhead_us": call_overhead_us(kernels, repeats),
+            "types": [bench_type(kernels, name, tuple(shape), token_counts, repeats)
+                      for name in type_names]}
+
+
+def run(args, out_dir: Path) -> tuple[dict, str]:
+    size = SIZES[args.size]
+    height, width = (int(n) for n in (args.shape or size["shape"]).lower().split("x"))
     type_names = args.types.split(",")
     unknown = [name for name in type_names
                if name not in GGMLQuantizationType.__members__
                or GGMLQuantizationType[name] not in SUPPORTED_TYPES]
     if unknown:
-        parser.error(f"no kernel for {', '.join(unknown)}")
-    token_counts = [int(n) for n in args.tokens.split(",")]
-    torch.set_num_threads(args.threads)
-    kernels = CpuKernels(n_threads=args.threads)
-    report = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-              "ggml": kernels.ggml.version, "threads": args.threads, "shape": [height, width],
-              "roofline_gbs": read_roofline_gbs(args.threads, args.repeats),
-              "call_overhead_us": call_overhead_us(kernels, args.repeats), "types": []}
-    with Progress() as progress:
-        task = progress.add_task("kernels", total=len(type_names))
-        for name in type_names:
-            report["types"].append(
-                bench_type(kernels, name, (height, width), token_counts, args.repeats))
-            progress.advance(task)
-    markdown = to_markdown(report)
-    print(markdown)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.markdown:
-        args.markdown.write_text(markdown)
-
-
-if __name__ == "__main__":
-    main()
+        raise MoeswapError(f"no kernel for {', '.join(unknown)}")
+    token_counts = [int(n) for n in (args.tokens or size["tokens"]).split(",")]
+    report = run_call("moeswap.bench.suites.kernels:measure", dict(
+        shape=[height, width], type_names=type_names, token_counts=token_counts,
+        threads=args.threads, repeats=args.repeats or size["repeats"]), out_dir / "runs", "kernels")
+    if report.pop("status") != "ok":
+        raise MoeswapError(f"the kernels' worker failed ({report['failure']}): {report['error']}")
+    return report, markdown(report)
