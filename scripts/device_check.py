@@ -42,7 +42,10 @@ for extra in (ROOT, ROOT / "tests", ROOT / "scripts"):  # tiny_models, bench_dec
         sys.path.insert(0, str(extra))
 
 from moeswap.memory import kv_bytes_per_token  # noqa: E402
-from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes  # noqa: E402
+from moeswap.experts.build import build_store  # noqa: E402
+from moeswap.experts.settings import OffloadSettings  # noqa: E402
+from moeswap.experts.store import shared_bytes  # noqa: E402
+from moeswap.memory import HostCharge  # noqa: E402
 from moeswap.experts.tiers import slot_bytes  # noqa: E402
 from moeswap.formats.config import config_from_gguf  # noqa: E402
 from moeswap.formats.gguf_file import GGUFFile  # noqa: E402
@@ -61,7 +64,8 @@ def plan(path: Path) -> dict:
     layers = config.moe_layers
     layouts = [ExpertLayout.from_file(gguf, i) for i in layers]
     slot = slot_bytes(layouts)
-    return {"fixed": shared_bytes(gguf, layers) + config.n_expert_used * slot, "slot": slot,
+    return {"shared": shared_bytes(gguf, layers), "staging": config.n_expert_used * slot,
+            "config": config, "slot": slot,
             "layers": layers, "experts": len(layers) * layouts[0].n_experts,
             "kv_per_token": kv_bytes_per_token(config)}
 
@@ -71,11 +75,13 @@ def store_model(path: Path, device: str, device_slots: int, n_tokens: int, threa
     """(model, its store's factory): the host tier holds ``host_slots`` experts (all: None)."""
     p = plan(path)
     host_slots = p["experts"] if host_slots is None else host_slots
-    options = StoreOptions(host_bytes=p["fixed"] + p["kv_per_token"] * n_tokens
-                           + host_slots * p["slot"], device_bytes=device_slots * p["slot"],
-                           context_tokens=n_tokens, miss="transfer", device_backend=device)
-    factory = ExpertStore.factory(options)
-    return load_model(path, threads=threads, expert_runner=factory), factory
+    charge = HostCharge.for_sequence(n_tokens)
+    settings = OffloadSettings(host_bytes=charge.bytes(p["config"], p["shared"], p["staging"])
+                               + host_slots * p["slot"], device_bytes=device_slots * p["slot"],
+                               miss="transfer", device_backend=device)
+    factory = build_store(settings, charge)
+    return load_model(path, threads=threads, expert_runner=factory, context_tokens=n_tokens,
+                      step_tokens=0), factory
 
 
 # -- 1. agreement ------------------------------------------------------------------------------

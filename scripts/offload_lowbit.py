@@ -30,7 +30,10 @@ def lowbit_model(path: Path, type_name: str, policy: str, share: float, threads:
     """(model, its store's factory) with the copies charged and ``share`` of the experts' bytes
     in host slots."""
     from moeswap.experts.lowbit import lowbit_layout, lowbit_type
-    from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+    from moeswap.experts.build import build_store
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.experts.store import shared_bytes
+    from moeswap.memory import HostCharge
     from moeswap.experts.tiers import slot_bytes
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
@@ -43,10 +46,10 @@ def lowbit_model(path: Path, type_name: str, policy: str, share: float, threads:
     n_experts = len(layouts) * config.n_expert
     copies = slot_bytes([lowbit_layout(layout, lowbit_type(type_name)) for layout in layouts])
     slot = slot_bytes(layouts)
-    host = (shared_bytes(gguf, config.moe_layers) + copies * n_experts
-            + (config.n_expert_used + int(share * n_experts)) * slot)
-    factory = ExpertStore.factory(StoreOptions(host_bytes=host, policy=policy,
-                                               miss_lowbit=type_name))
+    host = HostCharge().bytes(config, shared_bytes(gguf, config.moe_layers),
+                              config.n_expert_used * slot, copies * n_experts) \
+        + int(share * n_experts) * slot
+    factory = build_store(OffloadSettings(host_bytes=host, policy=policy, miss_lowbit=type_name))
     return load_model(path, threads=threads, expert_runner=factory), factory
 
 

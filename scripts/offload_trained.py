@@ -62,10 +62,13 @@ def teacher_forced(model, windows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def store(path: Path, share: float, threads: int, **options):
-    from moeswap.experts.store import ExpertStore, StoreOptions, shared_bytes
+    from moeswap.experts.build import build_store
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.experts.store import shared_bytes
     from moeswap.experts.tiers import slot_bytes
     from moeswap.formats.config import config_from_gguf
     from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.memory import HostCharge
     from moeswap.models import load_model
     from moeswap.models.quant_experts import ExpertLayout
 
@@ -74,8 +77,10 @@ def store(path: Path, share: float, threads: int, **options):
     layers = config.moe_layers
     slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in layers])
     n_experts = len(layers) * config.n_expert
-    host = shared_bytes(gguf, layers) + (config.n_expert_used + int(share * n_experts)) * slot
-    factory = ExpertStore.factory(StoreOptions(host_bytes=host, **options))
+    # no context charged: the windows' caches are not the budget's (as before)
+    host = HostCharge().bytes(config, shared_bytes(gguf, layers), config.n_expert_used * slot) \
+        + int(share * n_experts) * slot
+    factory = build_store(OffloadSettings(host_bytes=host, **options))
     picks_per_token = config.n_expert_used * len(layers)
     return load_model(path, threads=threads, expert_runner=factory), factory, picks_per_token
 
