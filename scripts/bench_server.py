@@ -41,7 +41,7 @@ from moeswap.memory import parse_size
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.server.batching import BatchOptions
-from moeswap.server.budget import charged_bytes
+from moeswap.server.budget import batch_charge
 
 FIELDS = ("VmRSS", "RssAnon", "RssFile")
 WORDS = ("the river", "a small engine", "seven lanterns", "the old map", "winter light",
@@ -190,8 +190,9 @@ def main() -> int:
     if budget.host_mem:  # the same room for experts with one request a step
         host[args.max_batch] = parse_size(budget.host_mem)
         config = config_from_gguf(GGUFFile.open(args.model))
-        charged = {b: charged_bytes(config, BatchOptions(max_batch=b, ctx=args.ctx,
-                                                         step_tokens=budget.step_tokens))
+        # shared weights and staging are the same in both modes: only the batch's terms differ
+        charged = {b: batch_charge(BatchOptions(max_batch=b, ctx=args.ctx,
+                                                step_tokens=budget.step_tokens)).bytes(config, 0, 0)
                    for b in host}
         host[1] = host[args.max_batch] - (charged[args.max_batch] - charged[1])
     serve_flags = without_host_mem(serve_flags)
