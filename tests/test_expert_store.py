@@ -155,7 +155,7 @@ def test_budgets_hold_and_accounting_equals_the_bytes_held(mixtral_q8, data):
             assert held[tier] <= budget
             assert set(store.residency.slots[tier]) == store.residency.policies[tier].resident()
             assert len(store.residency.slots[tier]) <= store.residency.pools[tier].n_slots
-            for (lay, expert), index in store.residency.slots[tier].items():  # the bytes are that expert's
+            for (lay, expert), index in store.residency.slots[tier].items():  # that expert's bytes
                 layout = store.layouts[lay]
                 in_slot = store.residency.pools[tier].slot(index)
                 for part, offset in zip(layout.parts, piece_offsets(layout)):
@@ -286,7 +286,7 @@ def test_a_pinned_hot_set_is_held_once_across_the_tiers(tmp_path):
     model, factory = store_model(path, 3, device_slots=1, policy=f"pinned:{tmp_path / 'profile.json'}")
     store = factory.store
     assert set(store.residency.slots["device"]) == {(2, 5)}
-    assert set(store.residency.slots["host"]) == {(1, 2), (2, 1)}  # the device's hot expert not again
+    assert set(store.residency.slots["host"]) == {(1, 2), (2, 1)}  # not the device's hot one
     assert torch.equal(decode_logits(model), expected)
 
 

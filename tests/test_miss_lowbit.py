@@ -112,13 +112,14 @@ def test_prefetch_stays_off_with_low_bit_copies(mixtral_q8):
 def test_a_fired_expert_is_computed_from_its_low_bit_copy(mixtral_q8):
     store = direct_store(mixtral_q8, 0, miss_lowbit="q4_0")  # no host slots: every miss fires
     layer = plan(mixtral_q8)[3][0]
-    full, copy = store.layouts[layer], store.residency.lowbit.layouts[layer]
+    copies = store.residency.lowbit
+    full, copy = store.layouts[layer], copies.layouts[layer]
     file_bytes = np.memmap(mixtral_q8, dtype=np.uint8, mode="r")
     lowbit, original = {}, {}
     for (kind, part), piece, offset in zip(full.matrices.items(), copy.parts, piece_offsets(copy)):
         stack = file_bytes[part.data_start:part.data_start + part.n_experts * part.expert_bytes]
         original[kind] = dequantize_matrix(stack, Q.Q8_0, (*part.ne, part.n_experts))
-        held = [store.residency.lowbit.pool.slot(store.residency.lowbit.index[layer, e])[offset:offset + piece.expert_bytes]
+        held = [copies.pool.slot(copies.index[layer, e])[offset:offset + piece.expert_bytes]
                 for e in range(part.n_experts)]
         # The copy is ggml's Q4_0 of the file's dequantized values, in the expert's own slot.
         width = part.ne[0]
@@ -146,7 +147,8 @@ def test_counters_are_exact_on_a_hand_built_routing(mixtral_q8):
     s = store.stats()
     assert s["lowbit"]["fires"] == 5 and s["lowbit"]["saved_bytes"] == 5 * full
     assert s["lowbit"]["layers"][layer] == {"fires": 5, "saved_bytes": 5 * full}
-    assert s["lowbit"]["held_bytes"] == store.residency.lowbit.pool.nbytes == copies_bytes(mixtral_q8)
+    held = s["lowbit"]["held_bytes"]
+    assert held == store.residency.lowbit.pool.nbytes == copies_bytes(mixtral_q8)
     assert s["lowbit"]["type"] == "q4_0"
     t = s["total"]
     assert (t["requests"], t["disk_misses"], t["disk_bytes"], t["computed_in_place"]) == (5, 0, 0, 5)
@@ -178,7 +180,8 @@ def test_budgets_hold_with_the_copies_charged(mixtral_q8, data):
                   torch.rand(n_tokens, 2))
         held = store.held_bytes()["host"]
         assert held <= budget
-        assert held == store.residency.pools["host"].nbytes + fixed + store.residency.lowbit.pool.nbytes
+        r = store.residency
+        assert held == r.pools["host"].nbytes + fixed + r.lowbit.pool.nbytes
         assert set(store.residency.slots["host"]) == store.residency.policies["host"].resident()
     with pytest.raises(MoeswapError,
                        match=r"the --miss-lowbit copies \(\d+ bytes\); give at least"):

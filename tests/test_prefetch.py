@@ -110,7 +110,7 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
                                   host_bytes=host_budget - store.residency.guess_slots * slot))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
-    ahead = store.lookahead.ahead
+    ahead, r = store.lookahead.ahead, store.residency
 
     def pinned_ahead(layer, x, ids):
         needed = {(layer, e) for e in ids.flatten().tolist()}
@@ -134,14 +134,13 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
                 assert held[tier] <= budget
                 assert set(store.residency.slots[tier]) == store.residency.policies[tier].resident()
                 # guesses stay outside the policies: they decide exactly as without prefetch
-                assert store.residency.policies[tier].resident() == without.residency.policies[tier].resident()
-            assert not set(store.residency.guesses.slots) & set(store.residency.slots["host"])
-            assert len(store.residency.pools["host"].holder) == len(store.residency.slots["host"]) + \
-                len(store.residency.guesses.slots)
+                assert r.policies[tier].resident() == without.residency.policies[tier].resident()
+            assert not set(r.guesses.slots) & set(r.slots["host"])
+            assert len(r.pools["host"].holder) == len(r.slots["host"]) + len(r.guesses.slots)
     store.residency.guesses.settle_all()  # let reads in flight land, then check every slot's bytes
     held = [(tier, key, index) for tier in ("host", "device")
             for key, index in store.residency.slots[tier].items()]
-    held += [("host", key, store.residency.guesses.slots[key]) for key in store.residency.guesses.filled]
+    held += [("host", key, r.guesses.slots[key]) for key in r.guesses.filled]
     for tier, (lay, expert), index in held:
         layout, in_slot = store.layouts[lay], store.residency.pools[tier].slot(index)
         for part, offset in zip(layout.parts, piece_offsets(layout)):
@@ -174,7 +173,8 @@ def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
     reading_every_guess(store)  # every guess is wrong here: read all the same
     x, weights = torch.randn(1, 64), torch.rand(1, 2)
     cancelled, cancel = [], store.lookahead.worker.cancel
-    store.lookahead.worker.cancel = lambda job: cancel(job) and not cancelled.append(job) or job in cancelled
+    store.lookahead.worker.cancel = lambda job: (cancel(job) and not cancelled.append(job)
+                                                 or job in cancelled)
     for layer in layers:  # every layer asks for experts nobody guessed: every guess goes stale
         unguessed = [e for e in range(n_experts) if (layer, e) not in store.residency.guesses]
         ids = torch.tensor([unguessed[:2]])
@@ -487,7 +487,7 @@ def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtra
     pool = with_prefetch.residency.pools["device"]
     if pool.copies.queue:  # the copies still in flight land
         pool.copies.run_until(pool.copies.queue[-1][2])
-    for key, index in with_prefetch.residency.slots["device"].items():  # every slot holds its expert
+    for key, index in with_prefetch.residency.slots["device"].items():  # each holds its expert
         layout = with_prefetch.layouts[key[0]]
         for part, offset in zip(layout.parts, piece_offsets(layout)):
             start = part.data_start + key[1] * part.expert_bytes

@@ -39,11 +39,13 @@ def _fixed_guess_store(path, guesses_at: dict, host_slots: int = 4):
     on with the guesses ``guesses_at[layer]``."""
     gguf = GGUFFile.open(path)
     fixed, slot, layers, _ = plan(path)
-    store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                                OffloadSettings(host_bytes=fixed + host_slots * slot, prefetch="gate",
-                                             prefetch_depth=2), routers=routers_of(path, layers)))
+    settings = OffloadSettings(host_bytes=fixed + host_slots * slot, prefetch="gate",
+                               prefetch_depth=2)
+    store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu", settings,
+                                routers=routers_of(path, layers)))
     asked, submit = [], store.residency.guesses.submit
-    store.lookahead.prefetch.guesses = lambda layer, x, ids: asked.append(layer) or guesses_at.get(layer, [])
+    store.lookahead.prefetch.guesses = lambda layer, x, ids: (asked.append(layer)
+                                                              or guesses_at.get(layer, []))
 
     def submit_and_land():  # each batch of reads lands before the step goes on: deterministic
         jobs = list(store.residency.guesses.reads.values())
@@ -64,47 +66,50 @@ def _step(store, resident, layer, experts):
 
 def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
     store, resident, asked = _fixed_guess_store(deep_mixtral, {2: [(3, 6), (3, 7), (4, 5)]})
+    r, prefetch = store.residency, store.lookahead.prefetch
     _step(store, resident, 0, [0, 1])  # the guesses for layer 0: none
     _step(store, resident, 1, [0, 1])  # four requested experts fill the four slots
     requested = {(0, 0), (0, 1), (1, 0), (1, 1)}
-    assert store.residency.policies["host"].resident() == requested
+    assert r.policies["host"].resident() == requested
     asked.clear()
     _step(store, resident, 2, [0, 1])  # evicts two requested (LRU), as without prefetch
-    assert asked == [] and not store.residency.guesses.slots  # no room: nothing predicted, nothing read
-    assert store.residency.policies["host"].resident() == {(1, 0), (1, 1), (2, 0), (2, 1)}
-    assert store.lookahead.prefetch.counts.reads == 0
+    assert asked == [] and not r.guesses.slots  # no room: nothing predicted, nothing read
+    assert r.policies["host"].resident() == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    assert prefetch.counts.reads == 0
     store.close()
 
 
 def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
     store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
+    r, prefetch = store.residency, store.lookahead.prefetch
     _step(store, resident, 0, [0, 1])  # three guesses take three free slots; (0, 0) the fourth
     # (0, 1) needs a slot: the oldest guess gives its own, nothing requested is touched
-    assert list(store.residency.guesses.slots) == [(2, 6), (3, 7)]
-    assert store.residency.policies["host"].resident() == set(store.residency.slots["host"]) == {(0, 0), (0, 1)}
+    assert list(r.guesses.slots) == [(2, 6), (3, 7)]
+    assert r.policies["host"].resident() == set(r.slots["host"]) == {(0, 0), (0, 1)}
     _step(store, resident, 1, [0, 1])  # the two other guesses go, oldest first
-    assert not store.residency.guesses.slots
-    assert store.residency.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
-    counts = store.lookahead.prefetch.counts
+    assert not r.guesses.slots
+    assert r.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    counts = prefetch.counts
     assert (counts.reads, counts.used, counts.cancelled) == (3, 0, 0)
     assert counts.bytes_wasted == sum(store.layouts[layer].expert_bytes for layer in (2, 2, 3))
-    assert store.lookahead.prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
+    assert prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
     store.close()
 
 
 def test_a_used_guess_is_promoted_like_a_request(deep_mixtral):
     store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(1, 5)]})
+    r, prefetch = store.residency, store.lookahead.prefetch
     _step(store, resident, 0, [0, 1])  # the guess takes a free slot; the requests two more
-    assert list(store.residency.guesses.slots) == [(1, 5)] and (1, 5) not in store.residency.policies["host"]
-    before = store.residency.disk.stats.bytes
+    assert list(r.guesses.slots) == [(1, 5)] and (1, 5) not in r.policies["host"]
+    before = r.disk.stats.bytes
     _step(store, resident, 1, [5, 6])  # (1, 5) is used: into the policy, its bytes not read again
-    assert not store.residency.guesses.slots and (1, 5) in store.residency.policies["host"]
+    assert not r.guesses.slots and (1, 5) in r.policies["host"]
     stats = store.layer_stats[1]
     assert (stats.host_hits, stats.disk_misses) == (1, 1)
-    assert store.residency.disk.stats.bytes - before == store.layouts[1].expert_bytes  # (1, 6) only
-    assert store.lookahead.prefetch.counts.used == 1 and store.lookahead.prefetch.counts.hidden_seconds > 0
+    assert r.disk.stats.bytes - before == store.layouts[1].expert_bytes  # (1, 6) only
+    assert prefetch.counts.used == 1 and prefetch.counts.hidden_seconds > 0
     _step(store, resident, 2, [0, 1])  # LRU: the older requests go, the used guess stays
-    assert store.residency.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
+    assert r.policies["host"].resident() == {(1, 5), (1, 6), (2, 0), (2, 1)}
     store.close()
 
 
@@ -117,38 +122,39 @@ def test_reserved_slots_are_top_k_per_layer_ahead_at_most_an_eighth():
 def test_reserved_slots_take_guesses_when_requests_fill_the_policy(deep_mixtral):
     # 16 host slots, depth 2: two reserved for guesses, the LRU policy holds 14
     store, resident, _ = _fixed_guess_store(deep_mixtral, guesses := {}, host_slots=16)
-    assert store.residency.guess_slots == 2
+    r, prefetch = store.residency, store.lookahead.prefetch
+    assert r.guess_slots == 2
     warm = [(layer, [0, 1]) for layer in range(5)] + [(0, [2, 3]), (1, [2, 3])]
     for layer, experts in warm:
         _step(store, resident, layer, experts)
     requested = {(layer, e) for layer, experts in warm for e in experts}
-    assert store.residency.policies["host"].resident() == set(store.residency.slots["host"]) == requested
-    assert store.residency.pools["host"].n_free == 2 and store.lookahead.prefetch.counts.reads == 0
+    assert r.policies["host"].resident() == set(r.slots["host"]) == requested
+    assert r.pools["host"].n_free == 2 and prefetch.counts.reads == 0
     guesses[2] = [(3, 6), (3, 7), (4, 5)]
     _step(store, resident, 2, [2, 3])  # the two best guesses take the reserve, the third waits;
     # the LRU victims (0, 0), (0, 1) kept there give their slots to the admissions, not the reads
-    assert list(store.residency.guesses.slots) == [(3, 6), (3, 7)] and store.lookahead.prefetch.counts.reads == 2
+    assert list(r.guesses.slots) == [(3, 6), (3, 7)] and prefetch.counts.reads == 2
     requested = requested - {(0, 0), (0, 1)} | {(2, 2), (2, 3)}  # LRU of 14, as without
-    assert store.residency.policies["host"].resident() == set(store.residency.slots["host"]) == requested
-    before = store.residency.disk.stats.bytes
+    assert r.policies["host"].resident() == set(r.slots["host"]) == requested
+    before = r.disk.stats.bytes
     _step(store, resident, 3, [6, 0])  # (3, 6) used: promoted, LRU's victim (1, 0) leaves
-    assert store.residency.disk.stats.bytes == before  # a guess and a host hit: nothing read
-    assert store.residency.policies["host"].resident() == requested - {(1, 0)} | {(3, 6)}
+    assert r.disk.stats.bytes == before  # a guess and a host hit: nothing read
+    assert r.policies["host"].resident() == requested - {(1, 0)} | {(3, 6)}
     # the victim keeps its slot in the reserve; (3, 7), its layer passed, is kept, counted
     # wasted; the reserve is whole
-    assert list(store.residency.guesses.slots) == [(3, 7), (1, 0)] and not store.residency.pools["host"].n_free
-    assert store.lookahead.prefetch.counts.used == 1
-    assert store.lookahead.prefetch.counts.bytes_wasted == store.layouts[3].expert_bytes
+    assert list(r.guesses.slots) == [(3, 7), (1, 0)] and not r.pools["host"].n_free
+    assert prefetch.counts.used == 1
+    assert prefetch.counts.bytes_wasted == store.layouts[3].expert_bytes
     hits = store.layer_stats[1].host_hits
     _step(store, resident, 1, [0, 4])  # (1, 0) again: a host hit, back in the policy, LRU's
     # victim (1, 1) kept; (1, 4) a miss, its victim (2, 0) kept, and its admission takes the
     # oldest kept slot, (3, 7)'s
-    assert store.residency.disk.stats.bytes - before == store.layouts[1].expert_bytes
+    assert r.disk.stats.bytes - before == store.layouts[1].expert_bytes
     assert store.layer_stats[1].host_hits == hits + 1
-    assert store.residency.policies["host"].resident() == \
-        requested - {(1, 1), (2, 0)} | {(3, 6), (1, 4)} == set(store.residency.slots["host"])
-    assert list(store.residency.guesses.slots) == [(1, 1), (2, 0)] and not store.residency.pools["host"].n_free
-    assert store.held_bytes()["host"] <= store.residency.budgets["host"]
+    assert r.policies["host"].resident() == \
+        requested - {(1, 1), (2, 0)} | {(3, 6), (1, 4)} == set(r.slots["host"])
+    assert list(r.guesses.slots) == [(1, 1), (2, 0)] and not r.pools["host"].n_free
+    assert store.held_bytes()["host"] <= r.budgets["host"]
     store.close()
 
 

@@ -267,10 +267,11 @@ def test_the_store_charges_the_trimmed_cache_and_a_steps_working_memory(tmp_path
     charge = HostCharge.for_batch(1000, 3, 16)
     store = ExpertStore(gguf, CpuKernels(1), config.moe_layers, config.expert_act,
                         OffloadSettings(host_bytes=2**30), charge)
-    assert store.residency.charge["kv_bytes"] == 4 * 3 * (64 * 1000 + 128 * (WINDOW - 1 + 16)) == 798720
+    r = store.residency
+    assert r.charge["kv_bytes"] == 4 * 3 * (64 * 1000 + 128 * (WINDOW - 1 + 16)) == 798720
     working = forward_working_bytes(config, 16, 1000, 3)
-    assert store.residency.charged["host"] == (shared_bytes(gguf, config.moe_layers) + 798720 + working
-                                     + store.residency.staging.nbytes)
+    assert r.charged["host"] == (shared_bytes(gguf, config.moe_layers) + 798720 + working
+                                 + r.staging.nbytes)
     sizes = model_sizes(gguf)  # the planner agrees
     assert sizes.host_charged(charge) == store.residency.charged["host"]
     assert sizes.host_terms(charge)["kv_bytes"] == store.residency.charge["kv_bytes"]
