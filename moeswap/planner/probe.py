@@ -8,9 +8,9 @@ For the planner, also the fixed costs those rates miss (``Overheads``): the seco
 read at each of a ladder of sizes (as the expert store reads an expert piece: ``preadv``, then
 ``DONTNEED``), and the runtime's seconds per block and per expert served in a decode step,
 measured on a small synthetic model (``moeswap.planner.step_costs``).
-The result is cached as JSON (default ``~/.cache/moeswap/probe.json``) keyed by host name and
-thread count, and reused until ``refresh`` is asked for; the overheads are measured and added
-to an entry by ``cached_overheads``.
+The result is cached as JSON (default ``$XDG_CACHE_HOME/moeswap/probe.json``, XDG_CACHE_HOME
+defaulting to ``~/.cache``) keyed by host name and thread count, and reused until ``refresh`` is
+asked for; the overheads are measured and added to an entry by ``cached_overheads``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from moeswap.experts.cost import Rates
 from moeswap.experts.settings import OffloadSettings
 from moeswap.quant import CpuKernels, quantize_rows
 
-DEFAULT_CACHE = Path.home() / ".cache" / "moeswap" / "probe.json"
+# XDG_CACHE_HOME as the tokenizer cache honours it (the tests point it at a temporary folder).
+_CACHE_HOME = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+DEFAULT_CACHE = _CACHE_HOME / "moeswap" / "probe.json"
 _SIZE = 64 << 20  # bytes per measurement: large enough to leave the CPU caches
 READ_SIZES = tuple(4096 << 2 * i for i in range(7))  # 4 KiB to 16 MiB, x4 apart
 _READS_PER_SIZE = 64  # at most; fewer where they would cover more than the scratch file
