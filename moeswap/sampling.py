@@ -122,10 +122,17 @@ class Sampler:
 
     def next_token(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """logits: [V] float32 for the next position; history: the ids so far (prompt included)."""
+        if self.params.greedy:
+            return greedy_token(self._penalised(logits, history))
+        return draw(self.candidates(logits, history), self.generator)
+
+    def candidates(self, logits: torch.Tensor, history: Sequence[int]) -> Candidates:
+        """What a draw chooses among: the filters' survivors with their tempered logits."""
+        p = self.params
+        kept = min_p(top_p(top_k(self._penalised(logits, history), p.top_k), p.top_p), p.min_p)
+        return temperature(kept, p.temperature)
+
+    def _penalised(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
         p = self.params
         start = 0 if p.repeat_last_n == -1 else max(0, len(history) - p.repeat_last_n)
-        logits = repetition_penalty(logits.float(), history[start:], p.repeat_penalty)
-        if p.greedy:
-            return greedy_token(logits)
-        candidates = min_p(top_p(top_k(logits, p.top_k), p.top_p), p.min_p)
-        return draw(temperature(candidates, p.temperature), self.generator)
+        return repetition_penalty(logits.float(), history[start:], p.repeat_penalty)

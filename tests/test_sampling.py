@@ -102,3 +102,53 @@ def test_sampled_tokens_stay_inside_the_filters():
 def test_invalid_settings_are_rejected(bad, message):
     with pytest.raises(MoeswapError, match=message):
         SamplingParams(**bad)
+
+
+def test_cutoffs_see_the_untempered_distribution():
+    """llama.cpp's order: top-p on [0.5, 0.3, 0.15, 0.05] keeps three tokens (0.95 >= 0.9),
+    then temperature 3 flattens them. Tempering first (transformers' order) would flatten to
+    [0.34, 0.28, 0.22, 0.16], whose first three sum to 0.84 < 0.9, and token 3 would be drawn."""
+    logits = logits_for([0.5, 0.3, 0.15, 0.05])
+    sampler = Sampler(SamplingParams(temperature=3.0, top_k=0, top_p=0.9, min_p=0.0, seed=2))
+    assert {sampler.next_token(logits, []) for _ in range(400)} == {0, 1, 2}
+    # min-p likewise: 0.05 / 0.5 = 0.1 < 0.2 drops token 3; tempered, 0.16 / 0.34 would keep it.
+    sampler = Sampler(SamplingParams(temperature=3.0, top_k=0, top_p=1.0, min_p=0.2, seed=2))
+    assert {sampler.next_token(logits, []) for _ in range(400)} == {0, 1, 2}
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("top_k_, top_p_, min_p_", [(40, 0.9, 0.05), (0, 0.6, 0.0), (100, 1.0, 0.1)])
+def test_filters_and_temperature_equal_llama_cpps_sampler_chain(top_k_, top_p_, min_p_):
+    """llama.cpp's own chain (top-k, top-p, min-p, temperature, as llama-cpp-python builds it)
+    on the built-in model's next-token logits, computed by llama.cpp from the shipped GGUF:
+    the same candidates survive, with the same tempered logits."""
+    import ctypes
+
+    import llama_cpp
+
+    import moeswap
+
+    llm = llama_cpp.Llama(str(moeswap.DEFAULT_MODEL), n_ctx=64, logits_all=True, verbose=False)
+    prompt = llm.tokenize(b"import os\nfor name in")
+    llm.eval(prompt)
+    logits = torch.tensor(llm.scores[len(prompt) - 1], dtype=torch.float32)
+    llm.close()
+    t = 3.0
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    for sampler in (llama_cpp.llama_sampler_init_top_k(top_k_),
+                    llama_cpp.llama_sampler_init_top_p(top_p_, 1),
+                    llama_cpp.llama_sampler_init_min_p(min_p_, 1),
+                    llama_cpp.llama_sampler_init_temp(t)):
+        llama_cpp.llama_sampler_chain_add(chain, sampler)
+    data = (llama_cpp.llama_token_data * logits.numel())(
+        *[llama_cpp.llama_token_data(i, float(v), 0.0) for i, v in enumerate(logits.tolist())])
+    array = llama_cpp.llama_token_data_array(data, logits.numel(), -1, False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(array))
+    theirs = {data[i].id: data[i].logit for i in range(array.size)}
+    llama_cpp.llama_sampler_free(chain)
+    params = SamplingParams(temperature=t, top_k=top_k_, top_p=top_p_, min_p=min_p_)
+    ids, tempered = Sampler(params).candidates(logits, [])
+    ours = dict(zip(ids.tolist(), tempered.tolist()))
+    assert 1 < len(ours) < logits.numel()  # the cut-offs did cut
+    assert set(ours) == set(theirs)
+    assert all(ours[i] == pytest.approx(theirs[i], rel=1e-6) for i in ours)
