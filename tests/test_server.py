@@ -30,6 +30,7 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}{{ m['conte
             "{% if add_generation_prompt %}a{% endif %}")
 INJECTION = "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ messages[0]['content'] }}"
 MODEL = "tiny"
+LOCAL = "http://127.0.0.1"
 
 
 def write_model(folder, template: str):
@@ -102,7 +103,8 @@ def wait_until(condition, seconds: float = 60.0) -> bool:
 
 def serve(runtime, **options):
     batch = BatchOptions(**{"max_batch": 8, "queue_size": 16, "ctx": 64, **options.pop("batch", {})})
-    return TestClient(create_app(runtime, ServerOptions(MODEL, batch, **options)))
+    # TestClient's default Host, "testserver", is not a local name: the server would refuse it
+    return TestClient(create_app(runtime, ServerOptions(MODEL, batch, **options)), base_url=LOCAL)
 
 
 def solo_text(runtime, prompt_ids, n):
@@ -125,12 +127,7 @@ def test_models_health_and_greedy_completion(runtime):
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "abcab",
                                                  "max_tokens": 6, "temperature": 0})
-        # `curl -d` labels JSON as a form; it is read as JSON all the same
-        as_form = client.post("/v1/completions", content=json.dumps(
-            {"model": MODEL, "prompt": "abcab", "max_tokens": 6, "temperature": 0}),
-            headers={"Content-Type": "application/x-www-form-urlencoded"})
     assert r.status_code == 200, r.text
-    assert as_form.json()["choices"] == r.json()["choices"]
     body = r.json()
     prompt_ids = runtime.encode("abcab")
     text, used = solo_text(runtime, prompt_ids, 6)

@@ -27,6 +27,7 @@ from moeswap.gguf_tools.convert import convert
 from moeswap.models.quant_experts import ExpertLayout
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
+from test_server import LOCAL
 
 N_REQUESTS, MAX_TOKENS, CTX, MARGIN = 8, 12, 48, 0.1
 # Host-tier experts, of 2 layers x 8. With 5, one request's working set fits and a batch's
@@ -125,7 +126,7 @@ def serve(path, host: int, together: bool):
     ids = prompts()
     texts: dict[int, str] = {}
     batch = BatchOptions(max_batch=N_REQUESTS, queue_size=N_REQUESTS, ctx=CTX)
-    with TestClient(create_app(runtime, ServerOptions("tiny", batch))) as client:
+    with TestClient(create_app(runtime, ServerOptions("tiny", batch)), base_url=LOCAL) as client:
         if together:
             start = threading.Barrier(N_REQUESTS)
 

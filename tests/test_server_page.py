@@ -22,7 +22,7 @@ from moeswap.routing.recorder import RoutingRecorder
 from moeswap.server.activity import ExpertActivity
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from test_server import MODEL, TEMPLATE, load, one_thread, wait_until, write_model  # noqa: F401
+from test_server import LOCAL, MODEL, TEMPLATE, load, one_thread, wait_until, write_model  # noqa: F401
 
 CTX, PROMPT, N_TOKENS = 32, "abcab", 4
 CHARGE = HostCharge.for_sequence(CTX * 8)  # the KV cache of 8 batch slots
@@ -37,7 +37,7 @@ def experts_after_one_completion(runtime, activity, **options):
     """The experts body once a greedy completion of PROMPT has ended and been counted."""
     app = create_app(runtime, ServerOptions(MODEL, BatchOptions(ctx=CTX), **options), activity)
     headers = {"Authorization": "Bearer k"} if options.get("api_key") else {}
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         r = client.post("/v1/completions", headers=headers, json={
             "model": MODEL, "prompt": PROMPT, "max_tokens": N_TOKENS, "temperature": 0})
         assert r.json()["usage"]["completion_tokens"] == N_TOKENS
@@ -133,7 +133,7 @@ def test_without_a_store_or_a_recorder_experts_are_mapped_and_never_seen(tiny_pa
 def test_the_page_is_served_without_the_key_and_its_data_only_with_it(tiny_path):
     runtime = load(tiny_path)
     app = create_app(runtime, ServerOptions(MODEL, BatchOptions(ctx=CTX), api_key="s3cret"))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         page = client.get("/")
         assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
         assert '<script src="page.js"></script>' in page.text

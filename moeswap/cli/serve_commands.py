@@ -5,17 +5,18 @@ from __future__ import annotations
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
+from moeswap.cli.common_args import add_model_argument, add_threads_argument
 
 
 def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
     from moeswap.context_window import POLICIES
 
-    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
-    p.add_argument("--ctx", type=int, default=4096, help=ctx_help)
+    add_model_argument(p, "a .gguf file or a Hugging Face folder")
+    p.add_argument("-c", "--ctx", type=int, default=4096, help=ctx_help)
     p.add_argument("--ctx-policy", choices=POLICIES, default="error",
                    help="when a prompt outgrows --ctx: refuse it (error), or keep the system "
                         "prompt and the most recent tokens (keep-recent) (error)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    add_threads_argument(p)
     add_step_tokens_argument(p, step_scope)
     add_offload_arguments(p)
 
@@ -32,6 +33,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (8)")
     p.add_argument("--queue", type=int, default=64,
                    help="requests that may wait for a batch slot; more get 429 (64)")
+    # what a request may be, and who may send one (docs/SERVER.md, "Security")
+    p.add_argument("--max-body", default="4MiB", metavar="SIZE",
+                   help="largest request body; more gets 413 (4MiB)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeatable); "
+                        "localhost names, IP addresses and --host are always answered")
     p.set_defaults(handler=run_serve)
 
     c = subparsers.add_parser("chat", help="chat with a model in the terminal, streamed")
@@ -60,11 +67,14 @@ def run_serve(args) -> int:
     from moeswap.server.app import ServerOptions, create_app
     from moeswap.server.batching import BatchOptions
     from moeswap.server.budget import batch_charge
+    from moeswap.memory import parse_size
 
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
-                            ctx_policy=args.ctx_policy, api_key=args.api_key)
+                            ctx_policy=args.ctx_policy, api_key=args.api_key,
+                            max_body=parse_size(args.max_body), bind_host=args.host,
+                            allow_hosts=tuple(args.allow_host))
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
     runtime = _load(args, batch_charge(batch), activity)
     uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,

@@ -48,7 +48,7 @@ def create_app(runtime: Any, options: ServerOptions,
     app = FastAPI(title="moeswap", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.scheduler = state.scheduler
-    app.add_middleware(GuardMiddleware, api_key=options.api_key, counts=state.http_counts)
+    app.add_middleware(GuardMiddleware, options=options, counts=state.http_counts)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(HTTPException, _on_http_error)
     Routes(state).register(app)

@@ -158,7 +158,7 @@ def _sampling_params(body: SamplingBody) -> SamplingParams:
 
 
 async def _parse(request: Request, schema: type[SamplingBody]) -> SamplingBody:
-    """The body as JSON whatever its Content-Type says (curl -d sends a form type)."""
+    """The body as JSON (the guard has checked its Content-Type and size)."""
     try:
         return schema.model_validate_json(await request.body())
     except ValidationError as e:

@@ -15,6 +15,9 @@ from moeswap.server.activity import ExpertActivity
 from moeswap.server.batching import BatchOptions, BatchScheduler
 from moeswap.server.metrics import HttpCounts
 
+# A chat body of a full 128k-token context is well under 1 MiB of text.
+MAX_BODY = 4 * 2**20
+
 # The web page's files: name -> media type. Served without the API key: they hold no data.
 PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.js": "text/javascript; charset=utf-8",
               "page.css": "text/css; charset=utf-8"}
@@ -26,8 +29,16 @@ class ServerOptions:
     batch: BatchOptions = BatchOptions()
     ctx_policy: str = "error"  # or "keep-recent" (moeswap.context_window)
     api_key: str | None = None
+    max_body: int = MAX_BODY  # bytes of a request body (--max-body)
+    bind_host: str = "127.0.0.1"  # answered in Host, beside localhost names (moeswap.server.hosts)
+    allow_hosts: tuple[str, ...] = ()  # more Host names to answer (--allow-host)
 
     def __post_init__(self):
+        if self.api_key is not None and not self.api_key.strip():
+            raise MoeswapError("--api-key is empty: that would turn the key check off; give a "
+                               "key, or leave the flag out to serve without one")
+        if self.max_body < 1:
+            raise MoeswapError(f"--max-body must be at least 1 byte, got {self.max_body}")
         if self.ctx_policy not in POLICIES:
             raise MoeswapError(f"--ctx-policy must be one of {', '.join(POLICIES)}, "
                                f"got {self.ctx_policy!r}")
