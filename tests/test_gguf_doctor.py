@@ -7,10 +7,13 @@ import os
 import re
 
 import pytest
-from gguf_builders import LAYOUTS, MUTATIONS, qwen3moe
+from gguf_builders import LAYOUTS, MUTATIONS as SINGLE_MUTATIONS, qwen3moe
+from split_builders import SPLIT_MUTATIONS
 
 from moeswap.cli import main
 from moeswap.gguf_tools.doctor import ERROR, RULES, RULES_BY_ID, WARNING, diagnose
+
+MUTATIONS = SINGLE_MUTATIONS + SPLIT_MUTATIONS
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

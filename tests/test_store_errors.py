@@ -123,7 +123,7 @@ def test_a_read_past_the_end_names_the_file_tensor_and_bytes(mixtral_file, tmp_p
     part = next(q for q in layout.parts if q.name == last.name)
     expert = layout.n_experts - 1
     start = part.data_start + expert * part.expert_bytes
-    reader = DiskReader(cut)
+    reader = DiskReader([cut])
     with pytest.raises(MoeswapError, match=rf"^{cut}: the file ends before bytes {start}-"
                                            rf"{start + part.expert_bytes} of tensor '{last.name}'"):
         reader.read_expert(layout, expert, np.empty(layout.expert_bytes * 2, dtype=np.uint8))

@@ -26,7 +26,11 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("fix", help="write a repaired copy of a GGUF file")
     p.add_argument("file", help="the .gguf file (never modified)")
-    p.add_argument("-o", "--output", required=True, help="path of the repaired file")
+    p.add_argument("-o", "--output", required=True,
+                   help="path of the repaired file (a split set: its pieces are named from it, "
+                        "NAME-00001-of-0000N.gguf ...)")
+    p.add_argument("--merge", action="store_true",
+                   help="write a split set as one file (without the split.* keys)")
     p.add_argument("--dry-run", action="store_true", help="show what would change, write nothing")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="set a metadata key (repeatable); llama.cpp's integer keys become u32")
@@ -67,7 +71,8 @@ def run_fix(args) -> int:
 
     try:
         result = fix.fix_file(args.file, args.output, args.assignments, dry_run=args.dry_run,
-                              on_progress=lambda n: bar.advance(task, n), on_start=on_start)
+                              on_progress=lambda n: bar.advance(task, n), on_start=on_start,
+                              merge=args.merge)
     finally:
         if bar.live.is_started:
             bar.stop()
@@ -84,6 +89,8 @@ def run_fix(args) -> int:
         console.print(f"{args.file}: nothing to repair; no output written")
         return 0
     warnings = len(result.report.findings)
-    console.print(f"wrote {result.output} (doctor: "
+    pieces = len(plan.files)
+    more = f" and {pieces - 1} more piece(s) of its set" if pieces > 1 else ""
+    console.print(f"wrote {result.output}{more} (doctor: "
                   f"{'clean' if not warnings else f'{warnings} warning(s)'})")
     return 0

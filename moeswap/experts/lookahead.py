@@ -27,7 +27,7 @@ class Lookahead:
         self.first_layer = layers[0]
         self.prefetch = Prefetcher(settings.prefetch, settings.prefetch_depth, layers, routers,
                                    r.layouts[layers[0]].n_experts, top_k)
-        self.worker = ReadWorker(r.disk.path, settings.cold_reads)
+        self.worker = ReadWorker(r.disk.paths, settings.cold_reads)
         self.guesses = r.guesses = HostGuesses(r.pools["host"], self.worker, self.prefetch,
                                                r.layer_stats)
         # the thread holds no reference to this object, so dropping it stops the thread

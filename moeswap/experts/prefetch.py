@@ -379,8 +379,8 @@ class ReadJob:
 class ReadWorker:
     """One thread reading experts into host slots in order; started at the first read."""
 
-    def __init__(self, path, cold: bool):
-        self.disk = DiskReader(path, cold=cold)
+    def __init__(self, paths, cold: bool):
+        self.disk = DiskReader(paths, cold=cold)
         self._cv = threading.Condition()
         self._queue: deque[ReadJob] = deque()
         self._thread: threading.Thread | None = None

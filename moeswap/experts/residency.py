@@ -87,7 +87,7 @@ class Residency:
                 config.n_expert_used, layers, layouts[layers[0]].n_experts, str(gguf.path),
                 held_faster)
         self.slots: dict[str, dict[Key, int]] = {"device": {}, "host": {}}
-        self.disk = DiskReader(gguf.path, cold=settings.cold_reads)
+        self.disk = DiskReader(gguf.piece_paths, cold=settings.cold_reads)
         self.planner = MissPlanner(settings.miss, rates or CPU_ONLY_RATES)
         self.layer_stats = {i: LayerStats() for i in layers}
         self.guesses: HostGuesses | None = None  # prefetched, in host slots, not yet used

@@ -72,7 +72,7 @@ class ExpertStore:
         predictor applies ahead of time; needed for ``prefetch`` gate and both."""
         self.kernels, self.activation, self.settings = kernels, activation, settings
         self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
-        check_inside_file(gguf.path, list(self.layouts.values()))
+        check_inside_file(gguf.piece_paths, list(self.layouts.values()))
         self.slot_size = slot_bytes(list(self.layouts.values()))
         config = config_from_gguf(gguf)
         self.residency = Residency(gguf, config, self.layouts, self.slot_size,

@@ -5,7 +5,9 @@ expert of the model in its stored (quantized) form: all of its pieces (gate and 
 gate_up, down, biases) at 32-byte-aligned offsets, which ggml requires of weights. Pools never
 grow or shrink, so there is no allocator churn per token and no fragmentation.
 
-``DiskReader`` reads an expert's pieces from the model file with ``pread`` into a slot.
+``DiskReader`` reads an expert's pieces from the model file with ``pread`` into a slot; for a
+split set, from whichever file of the set holds each piece (one descriptor per file, opened at
+its first read).
 With ``cold=True`` it drops what it read from the page cache (``posix_fadvise DONTNEED``), so
 that measured disk reads are disk reads and not RAM copies; budgets never count the page cache.
 """
@@ -98,28 +100,31 @@ class ReadStats:
     seconds: float = 0.0
 
 
+Paths = list[str | os.PathLike]  # the model's files: one, or a split set's pieces in order
+
+
 def truncated(path: str | os.PathLike, part: ExpertPart, start: int, end: int) -> MoeswapError:
     return MoeswapError(f"{path}: the file ends before bytes {start}-{end} of tensor "
                         f"'{part.name}'; it is truncated: download or convert it again")
 
 
-def check_inside_file(path: str | os.PathLike, layouts: list[ExpertLayout]) -> None:
-    """Every expert piece's data must lie inside the file (a truncated download otherwise
+def check_inside_file(paths: Paths, layouts: list[ExpertLayout]) -> None:
+    """Every expert piece's data must lie inside its file (a truncated download otherwise
     fails at the first read of an expert near its end, mid-generation)."""
-    size = os.path.getsize(path)
+    sizes = [os.path.getsize(path) for path in paths]
     for layout in layouts:
         for part in layout.parts:
             end = part.data_start + layout.n_experts * part.expert_bytes
-            if end > size:
-                raise truncated(path, part, part.data_start, end)
+            if end > sizes[part.file]:
+                raise truncated(paths[part.file], part, part.data_start, end)
 
 
 class DiskReader:
-    """Reads experts' pieces from the model file into slots, with ``pread``."""
+    """Reads experts' pieces from the model's files into slots, with ``pread``."""
 
-    def __init__(self, path: str | os.PathLike, cold: bool = False):
-        self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+    def __init__(self, paths: Paths, cold: bool = False):
+        self.paths = list(paths)
+        self.fds: dict[int, int] = {}  # file index -> descriptor, opened at its first read
         self.cold = cold and hasattr(os, "posix_fadvise")
         self.stats = ReadStats()
 
@@ -127,25 +132,33 @@ class DiskReader:
         started = time.perf_counter()
         for part, offset in zip(layout.parts, piece_offsets(layout)):
             start = part.data_start + expert * part.expert_bytes
-            self._read_into(slot[offset:offset + part.expert_bytes], start, part)
+            fd = self._fd(part.file)
+            self._read_into(fd, slot[offset:offset + part.expert_bytes], start, part)
             if self.cold:
-                os.posix_fadvise(self.fd, start, part.expert_bytes, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, start, part.expert_bytes, os.POSIX_FADV_DONTNEED)
             self.stats.bytes += part.expert_bytes
         self.stats.seconds += time.perf_counter() - started
 
-    def _read_into(self, target: np.ndarray, offset: int, part: ExpertPart) -> None:
+    def _fd(self, file: int) -> int:
+        if file not in self.fds:
+            self.fds[file] = os.open(self.paths[file], os.O_RDONLY)
+        return self.fds[file]
+
+    def _read_into(self, fd: int, target: np.ndarray, offset: int, part: ExpertPart) -> None:
         view = memoryview(target)
         done = 0
         while done < len(view):
             if hasattr(os, "preadv"):
-                n = os.preadv(self.fd, [view[done:]], offset + done)
+                n = os.preadv(fd, [view[done:]], offset + done)
             else:  # platforms without preadv: one copy more
-                chunk = os.pread(self.fd, len(view) - done, offset + done)
+                chunk = os.pread(fd, len(view) - done, offset + done)
                 n = len(chunk)
                 view[done:done + n] = chunk
             if n == 0:
-                raise truncated(self.path, part, offset, offset + len(view))
+                raise truncated(self.paths[part.file], part, offset, offset + len(view))
             done += n
 
     def close(self) -> None:
-        os.close(self.fd)
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()

@@ -6,6 +6,11 @@ exceptions. This reader walks the header once with ``struct`` over an mmap, keep
 arrays as byte spans decoded on demand, and reports damage as ``GGUFFormatError`` with the
 doctor rule it maps to. Tensor data is never touched; value types and quant sizes come from
 the ``gguf`` package.
+
+A split set (``NAME-00001-of-00005.gguf`` ..., keys ``split.no`` / ``split.count`` /
+``split.tensors.count``, as llama.cpp's gguf-split and gguf-py's writer make them) opens as one
+model from any of its pieces: metadata from the first piece (llama.cpp reads no other), the
+tensors of every piece, each ``TensorInfo`` saying which piece holds its bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -98,7 +103,8 @@ class TensorInfo:
     shape: tuple[int, ...]  # GGUF ne order: ne0 (the contiguous row length) first
     type_id: int  # raw ggml type id; ``ggml_type`` is None when the gguf package does not know it
     offset: int  # relative to the start of the data section
-    data_start: int  # absolute byte offset in the file
+    data_start: int  # absolute byte offset in the file (the piece holding it, in a split set)
+    piece: int = 0  # index of that piece (split.no); 0 for a single file
 
     @property
     def ggml_type(self) -> GGMLQuantizationType | None:
@@ -146,10 +152,57 @@ class GGUFFile:
     buffer: Any = field(repr=False)
     duplicate_keys: list[str] = field(default_factory=list)
     duplicate_tensors: list[str] = field(default_factory=list)
+    pieces: list["GGUFFile"] = field(default_factory=list, repr=False)  # split set; else empty
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "GGUFFile":
+        """The model at ``path``: the file, or the whole split set ``path`` is a piece of."""
+        first = cls.open_piece(path)
+        count, number = split_fields(first)
+        if count <= 1:
+            return first
+        paths = split_piece_paths(first.path, number, count)
+        if number != 0:
+            first.close()
+            first = cls.open_piece(paths[0])
+        pieces = [first] + [_open_split_piece(p, i, count) for i, p in enumerate(paths) if i]
+        return cls.from_pieces(pieces)
+
+    @classmethod
+    def open_piece(cls, path: str | os.PathLike) -> "GGUFFile":
+        """Exactly the one file at ``path``, even when it is a piece of a split set."""
         return _HeaderParser(Path(path)).parse()
+
+    @classmethod
+    def from_pieces(cls, pieces: list["GGUFFile"]) -> "GGUFFile":
+        """One model over a split set's pieces (``pieces[i]`` holds split.no i)."""
+        first, tensors, seen, duplicates = pieces[0], [], set(), []
+        for number, piece in enumerate(pieces):
+            for t in piece.tensors:
+                if t.name in seen:  # within a piece or across pieces
+                    duplicates.append(t.name)
+                seen.add(t.name)
+                tensors.append(replace(t, piece=number))
+        return cls(first.path, first.version, first.kv, tensors, first.alignment,
+                   first.data_offset, first.file_size, first.buffer, first.duplicate_keys,
+                   duplicates, pieces)
+
+    @property
+    def piece_files(self) -> list["GGUFFile"]:
+        """The files holding the data: the split set's pieces, or this file alone."""
+        return self.pieces or [self]
+
+    @property
+    def piece_paths(self) -> list[Path]:
+        return [piece.path for piece in self.piece_files]
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of every file of the model."""
+        return sum(piece.file_size for piece in self.piece_files)
+
+    def piece_of(self, info: TensorInfo) -> "GGUFFile":
+        return self.piece_files[info.piece]
 
     def get(self, key: str, default: Any = None) -> Any:
         item = self.kv.get(key)
@@ -170,11 +223,58 @@ class GGUFFile:
 
     def tensor_bytes(self, info: TensorInfo) -> memoryview:
         """The tensor's stored bytes, as a view of the mmap (nothing is copied)."""
-        return memoryview(self.buffer)[info.data_start: info.data_end]
+        return memoryview(self.piece_of(info).buffer)[info.data_start: info.data_end]
 
     def close(self) -> None:
-        if isinstance(self.buffer, mmap.mmap):
-            self.buffer.close()
+        for piece in self.piece_files:
+            if isinstance(piece.buffer, mmap.mmap):
+                piece.buffer.close()
+
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
+
+
+def split_fields(gf: GGUFFile) -> tuple[int, int]:
+    """(split.count, split.no) of a file; (0, 0) when it is not a piece of a split set."""
+    count, number = gf.get(SPLIT_COUNT, 0), gf.get(SPLIT_NO, 0)
+    if not isinstance(count, int) or not isinstance(number, int) or isinstance(count, bool):
+        raise GGUFFormatError(gf.path, "split-piece-mismatch",
+                              f"{SPLIT_COUNT} / {SPLIT_NO} are not integers")
+    if count > 1 and not 0 <= number < count:
+        raise GGUFFormatError(gf.path, "split-piece-mismatch",
+                              f"{SPLIT_NO} = {number} is outside a {count}-piece split set")
+    return count, number
+
+
+def split_piece_name(prefix: str, number: int, count: int) -> str:
+    """llama.cpp's ``llama_split_path``: piece ``number`` (0-based) is ``PREFIX-0000{n+1}-of-0000{count}.gguf``."""
+    return f"{prefix}-{number + 1:05d}-of-{count:05d}.gguf"
+
+
+def split_piece_paths(path: Path, number: int, count: int) -> list[Path]:
+    """Every piece's path, from the path of piece ``number`` (llama.cpp's ``llama_split_prefix``)."""
+    suffix = split_piece_name("", number, count)
+    if not path.name.endswith(suffix):
+        raise GGUFFormatError(path, "split-piece-mismatch",
+                              f"piece {number + 1} of a {count}-piece split set, but its name does "
+                              f"not end in '{suffix}'; rename it as gguf-split names pieces")
+    prefix = path.name[:-len(suffix)]
+    return [path.with_name(split_piece_name(prefix, i, count)) for i in range(count)]
+
+
+def _open_split_piece(path: Path, number: int, count: int) -> GGUFFile:
+    if not path.exists():
+        raise GGUFFormatError(path, "split-piece-missing",
+                              f"piece {number + 1} of {count} of the split set is missing; "
+                              "download it into the folder of the other pieces")
+    piece = GGUFFile.open_piece(path)
+    if split_fields(piece) != (count, number):
+        found_count, found_no = split_fields(piece)
+        raise GGUFFormatError(path, "split-piece-mismatch",
+                              f"expected piece {number + 1} of {count}, the file says piece "
+                              f"{found_no + 1} of {found_count}; re-download the set")
+    return piece
 
 
 class _HeaderParser:

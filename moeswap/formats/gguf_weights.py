@@ -53,7 +53,7 @@ class GGUFWeights:
     def describe(self, name: str) -> TensorDescription:
         info = self._info(name)
         return TensorDescription(name, tuple(reversed(info.shape)), info.type_name,
-                                 f"{self.file.path.name} @ {info.data_start}",
+                                 f"{self.file.piece_of(info).path.name} @ {info.data_start}",
                                  info.ggml_type == GGMLQuantizationType.F32)
 
     def _info(self, name: str) -> TensorInfo:
@@ -65,8 +65,9 @@ class GGUFWeights:
         if qtype is None or qtype not in GGML_QUANT_SIZES or info.n_bytes < 0:
             raise MoeswapError(f"{self.file.path}: tensor '{name}' has type {info.type_name} "
                                f"and shape {list(info.shape)}, which cannot be decoded")
-        if info.data_end > self.file.file_size:
-            raise MoeswapError(f"{self.file.path}: tensor '{name}' runs past the end of the "
+        piece = self.file.piece_of(info)
+        if info.data_end > piece.file_size:
+            raise MoeswapError(f"{piece.path}: tensor '{name}' runs past the end of the "
                                "file; the download is probably incomplete")
         return info
 

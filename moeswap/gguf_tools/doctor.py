@@ -13,13 +13,15 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from typing import Callable, Iterator
 
+import numpy as np
 from gguf import GGUFValueType
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from moeswap.errors import GGUFFormatError
-from moeswap.formats.gguf_file import TYPE_SHORT_NAMES, GGUFFile
+from moeswap.formats.gguf_file import (
+    SPLIT_KEYS, SPLIT_TENSORS, TYPE_SHORT_NAMES, GGUFFile, StringArray)
 from moeswap.formats.gguf_moe import (
     ARCH_KEY_TYPES, MAX_EXPERTS, PER_LAYER_ARRAY_KEYS, ROUTED, ROUTER, MoEView, arch_key,
     canonical_alias, split_expert,
@@ -283,20 +285,65 @@ def check_tensor_shapes(gf, view):
                            "its rows are not a whole number of quant blocks")
 
 
+def _where(gf: GGUFFile, t) -> str:
+    """Names the piece holding a tensor, in a split set."""
+    return f" (in {gf.piece_of(t).path.name})" if gf.pieces else ""
+
+
 def check_alignment(gf, view):
     for t in gf.tensors:
-        if t.offset % gf.alignment:
+        alignment = gf.piece_of(t).alignment
+        if t.offset % alignment:
             yield _finding("misaligned-tensor-offset",
-                           f"tensor '{t.name}' starts at data offset {t.offset}, not a multiple "
-                           f"of the alignment {gf.alignment}")
+                           f"tensor '{t.name}'{_where(gf, t)} starts at data offset {t.offset}, "
+                           f"not a multiple of the alignment {alignment}")
 
 
 def check_data_in_file(gf, view):
     for t in gf.tensors:
-        if t.n_bytes >= 0 and t.data_end > gf.file_size:
+        size = gf.piece_of(t).file_size
+        if t.n_bytes >= 0 and t.data_end > size:
             yield _finding("tensor-data-past-eof",
-                           f"tensor '{t.name}' needs bytes up to {t.data_end} but the file ends "
-                           f"at {gf.file_size}: the file is truncated")
+                           f"tensor '{t.name}'{_where(gf, t)} needs bytes up to {t.data_end} but "
+                           f"the file ends at {size}: the file is truncated")
+
+
+def check_split_tensor_count(gf, view):
+    expected = gf.get(SPLIT_TENSORS)
+    if gf.pieces and expected != len(gf.tensors):
+        # Worded as llama.cpp's loader words it.
+        yield _finding("split-tensor-count",
+                       f"corrupted model: {expected} tensors expected ({SPLIT_TENSORS} of "
+                       f"{gf.path.name}) but {len(gf.tensors)} found in the "
+                       f"{len(gf.pieces)} pieces")
+
+
+def check_split_keys_agree(gf, view):
+    first = gf.piece_files[0]
+    for piece in gf.pieces[1:]:
+        for key, item in piece.kv.items():
+            ours = first.kv.get(key)
+            if key in SPLIT_KEYS or ours is None or _same_value(ours.value, item.value):
+                continue
+            yield _finding("split-key-differs",
+                           f"key {key} is {_short(item.value)} in {piece.path.name} but "
+                           f"{_short(ours.value)} in {first.path.name}, whose value llama.cpp "
+                           "and moeswap use")
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, StringArray) or isinstance(b, StringArray):
+        return (isinstance(a, StringArray) and isinstance(b, StringArray)
+                and a.to_list() == b.to_list())
+    return a == b
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, (np.ndarray, StringArray)) else \
+        f"an array of {len(value)}"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 _REREAD = "re-download or re-convert the file"
@@ -311,6 +358,11 @@ RULES: tuple[Rule, ...] = (
     Rule("header-truncated", ERROR, None, "the file ends inside the header", _REREAD),
     Rule("header-corrupt", ERROR, None, "impossible counts, types or strings in the header",
          _REREAD),
+    Rule("split-piece-missing", ERROR, None, "a piece of a split set is not beside the others",
+         "download the missing piece into the folder of the other pieces"),
+    Rule("split-piece-mismatch", ERROR, None,
+         "a piece's split.no / split.count or file name disagree with the set",
+         "re-download the set, keeping gguf-split's names (NAME-00001-of-0000N.gguf)"),
     # Checks over the parsed header and tensor index.
     Rule("duplicate-key", ERROR, check_duplicate_keys, "a metadata key appears twice", _REREAD),
     Rule("duplicate-tensor", ERROR, check_duplicate_tensors, "a tensor name appears twice",
@@ -367,6 +419,12 @@ RULES: tuple[Rule, ...] = (
          "tensor data not aligned to general.alignment", "moeswap fix (rewrites the data section)"),
     Rule("tensor-data-past-eof", ERROR, check_data_in_file,
          "a tensor's data runs past the end of the file", _REREAD),
+    Rule("split-tensor-count", ERROR, check_split_tensor_count,
+         "split.tensors.count differs from the tensors the pieces hold",
+         "re-download the set; if no tensor is missing, moeswap fix rewrites the count"),
+    Rule("split-key-differs", WARNING, check_split_keys_agree,
+         "a later piece of a split set gives a key another value than the first piece",
+         "moeswap fix (drops the differing key from the later pieces)"),
 )
 RULES_BY_ID = {rule.id: rule for rule in RULES}
 

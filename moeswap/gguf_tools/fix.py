@@ -9,6 +9,11 @@ How it stays exact: unchanged metadata records are copied as raw bytes from the 
 tensor bytes are streamed from the source mmap in chunks. The new header is checked by
 doctor before anything is written, the written file is checked again, and only then is the
 temporary file renamed over the output. The input is never opened for writing.
+
+A split set is repaired as one model and written as a set of the same layout (each tensor in
+the piece that held it, later pieces keeping their own records), or with ``merge`` as one file
+without the ``split.*`` keys. Every piece is written and the new set checked by doctor before
+the first rename.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from gguf import GGUFValueType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import (
-    _SCALAR_FORMATS, GGUF_MAGIC, TYPE_SHORT_NAMES, GGUFFile, KeyValue, TensorInfo,
+    _SCALAR_FORMATS, GGUF_MAGIC, SPLIT_KEYS, SPLIT_TENSORS, TYPE_SHORT_NAMES, GGUFFile,
+    KeyValue, TensorInfo, split_piece_paths,
 )
 from moeswap.formats.gguf_moe import (
     ARCH_KEY_TYPES, MoEView, arch_key, canonical_alias,
@@ -50,6 +56,15 @@ class OutputTensor:
         return sum(s.n_bytes for s in self.sources)
 
 
+@dataclass(frozen=True)
+class OutputFile:
+    """One file fix writes: a single file, or one piece of a split set."""
+
+    source: GGUFFile  # the file whose raw bytes the unchanged records are copied from
+    kv: dict[str, KeyValue]  # records with end == 0 are new
+    tensors: list[OutputTensor]
+
+
 @dataclass
 class FixPlan:
     source: GGUFFile
@@ -57,6 +72,7 @@ class FixPlan:
     tensors: list[OutputTensor]
     actions: list[str]
     remaining: list[Finding] = field(default_factory=list)  # doctor on the planned header
+    files: list[OutputFile] = field(default_factory=list)  # what is written, in order
 
     @property
     def blockers(self) -> list[Finding]:
@@ -66,7 +82,7 @@ class FixPlan:
 @dataclass(frozen=True)
 class FixResult:
     plan: FixPlan
-    output: Path | None  # None for a dry run or when nothing needed repair
+    output: Path | None  # None for a dry run or when nothing needed repair; a set's first piece
     report: Report | None  # doctor on the written file
 
 
@@ -234,6 +250,51 @@ def _stack(group: tuple[int, str], members: list, n_expert: int | None,
                         tuple(t for _, t in members))
 
 
+def _output_files(p: FixPlan, merge: bool, source_rules: set[str]) -> list[OutputFile]:
+    """A single file, the merged set, or the set's pieces with each tensor where it was."""
+    gf = p.source
+    if not gf.pieces:
+        return [OutputFile(gf, p.kv, p.tensors)]
+    if merge:
+        p.actions.append(f"merge the {len(gf.pieces)} pieces into one file (split.* keys dropped)")
+        return [OutputFile(gf, {k: v for k, v in p.kv.items() if k not in SPLIT_KEYS},
+                           p.tensors)]
+    by_piece: list[list[OutputTensor]] = [[] for _ in gf.pieces]
+    for t in p.tensors:
+        by_piece[t.sources[0].piece].append(t)
+    recount = "split-tensor-count" in source_rules or len(p.tensors) != len(gf.tensors)
+    files = []
+    for number, (piece, tensors) in enumerate(zip(gf.pieces, by_piece)):
+        kv = dict(p.kv) if number == 0 else _later_piece_keys(p, piece)
+        if recount:
+            kv[SPLIT_TENSORS] = KeyValue(SPLIT_TENSORS, GGUFValueType.INT32, len(p.tensors),
+                                         None, 0, 0)
+        files.append(OutputFile(piece, kv, tensors))
+    if recount:
+        p.actions.append(f"set {SPLIT_TENSORS} = {len(p.tensors)} in every piece")
+    return files
+
+
+def _later_piece_keys(p: FixPlan, piece: GGUFFile) -> dict[str, KeyValue]:
+    """A later piece's own records, less those disagreeing with the first piece's (llama.cpp
+    reads only the first piece's metadata)."""
+    kv = {}
+    for key, item in piece.kv.items():
+        ours = p.kv.get(key)
+        if key in SPLIT_KEYS or ours is None or ours.type == item.type and _same(ours, item):
+            kv[key] = item
+        else:
+            p.actions.append(f"drop key {key} from {piece.path.name} (the first piece's value "
+                             "stands)")
+    return kv
+
+
+def _same(a: KeyValue, b: KeyValue) -> bool:
+    if a.type == GGUFValueType.ARRAY:
+        return a.item_type == b.item_type and list(a.value) == list(b.value)
+    return a.value == b.value
+
+
 def _header_bytes(gf: GGUFFile, kv: dict[str, KeyValue], tensors: list[OutputTensor],
                   offsets: list[int]) -> bytes:
     parts = [GGUF_MAGIC, struct.pack("<IQQ", gf.version, len(tensors), len(kv))]
@@ -254,8 +315,9 @@ def _pad(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def plan(gf: GGUFFile, assignments: list[str] = ()) -> FixPlan:
-    """What fix would write, checked by doctor before any byte is written."""
+def plan(gf: GGUFFile, assignments: list[str] = (), merge: bool = False) -> FixPlan:
+    """What fix would write, checked by doctor before any byte is written. ``merge``: write a
+    split set as one file."""
     source_findings = check(gf)
     if any(f.rule in _SOURCE_BLOCKERS for f in source_findings):
         return FixPlan(gf, dict(gf.kv), [], [], source_findings)
@@ -269,54 +331,68 @@ def plan(gf: GGUFFile, assignments: list[str] = ()) -> FixPlan:
     if "misaligned-tensor-offset" in source_rules:
         actions.append(f"realign tensor data to {gf.alignment} bytes")
     result = FixPlan(gf, kv, tensors, actions)
-    result.remaining = check(_planned_file(result, Path(gf.path)))
+    result.files = _output_files(result, merge, source_rules)
+    planned = [_planned_file(f, f.source.path) for f in result.files]
+    result.remaining = check(planned[0] if len(planned) == 1 else GGUFFile.from_pieces(planned))
     return result
 
 
-def _layout(p: FixPlan) -> tuple[list[int], int]:
+def _layout(file: OutputFile) -> tuple[list[int], int]:
     offsets, cursor = [], 0
-    for t in p.tensors:
+    for t in file.tensors:
         offsets.append(cursor)
-        cursor += _pad(t.n_bytes, p.source.alignment)
+        cursor += _pad(t.n_bytes, file.source.alignment)
     return offsets, cursor
 
 
-def _planned_file(p: FixPlan, path: Path) -> GGUFFile:
+def _planned_file(file: OutputFile, path: Path) -> GGUFFile:
     """The output's header as a GGUFFile (no data), for doctor to check before writing."""
-    offsets, data_size = _layout(p)
-    header = _header_bytes(p.source, p.kv, p.tensors, offsets)
-    data_offset = _pad(len(header), p.source.alignment)
+    offsets, data_size = _layout(file)
+    header = _header_bytes(file.source, file.kv, file.tensors, offsets)
+    alignment = file.source.alignment
+    data_offset = _pad(len(header), alignment)
     infos = [TensorInfo(t.name, t.shape, t.type_id, off, data_offset + off)
-             for t, off in zip(p.tensors, offsets)]
-    return GGUFFile(path, p.source.version, p.kv, infos, p.source.alignment, data_offset,
+             for t, off in zip(file.tensors, offsets)]
+    return GGUFFile(path, file.source.version, file.kv, infos, alignment, data_offset,
                     data_offset + data_size, None)
 
 
 # --- writing --------------------------------------------------------------------------------
 
-def _write(p: FixPlan, out, on_progress: Callable[[int], None] | None) -> None:
-    offsets, _ = _layout(p)
-    header = _header_bytes(p.source, p.kv, p.tensors, offsets)
-    alignment = p.source.alignment
+def _write(gf: GGUFFile, file: OutputFile, out, on_progress: Callable[[int], None] | None):
+    offsets, _ = _layout(file)
+    header = _header_bytes(file.source, file.kv, file.tensors, offsets)
+    alignment = file.source.alignment
     out.write(header)
     out.write(bytes(_pad(len(header), alignment) - len(header)))
-    # Views are released even on error, so the source mmap can close.
-    with memoryview(p.source.buffer) as view:
-        for t in p.tensors:
-            for src in t.sources:
+    for t in file.tensors:
+        for src in t.sources:
+            # Views are released even on error, so the source mmap can close.
+            with memoryview(gf.piece_of(src).buffer) as view:
                 for start in range(src.data_start, src.data_end, CHUNK):
                     with view[start:min(start + CHUNK, src.data_end)] as chunk:
                         out.write(chunk)
                         if on_progress:
                             on_progress(len(chunk))
-            out.write(bytes(_pad(t.n_bytes, alignment) - t.n_bytes))
+        out.write(bytes(_pad(t.n_bytes, alignment) - t.n_bytes))
 
 
-def _check_paths(src: Path, out: Path) -> None:
+def output_paths(out: Path, n_files: int) -> list[Path]:
+    """``out`` for one file; for a set, gguf-split's names from ``out`` (``fixed.gguf`` or
+    ``fixed-00001-of-00003.gguf`` -> ``fixed-0000i-of-00003.gguf``)."""
+    if n_files == 1:
+        return [out]
+    first_suffix = f"-00001-of-{n_files:05d}.gguf"
+    first = out if out.name.endswith(first_suffix) else \
+        out.with_name(out.name.removesuffix(".gguf") + first_suffix)
+    return split_piece_paths(first, 0, n_files)
+
+
+def _check_paths(sources: list[Path], out: Path) -> None:
     if out.is_dir():
         raise MoeswapError(f"{out}: is a directory; -o needs a file path")
-    if out.exists() and os.path.samefile(src, out):
-        raise MoeswapError(f"{out}: is the input file; fix never overwrites its input, "
+    if out.exists() and any(os.path.samefile(src, out) for src in sources):
+        raise MoeswapError(f"{out}: is an input file; fix never overwrites its input, "
                            "choose another -o path")
     if not out.parent.is_dir():
         raise MoeswapError(f"{out}: directory {out.parent} does not exist")
@@ -330,14 +406,19 @@ def _refusal(path: str, blockers: list[Finding]) -> MoeswapError:
 
 def fix_file(src: str | os.PathLike, out: str | os.PathLike, assignments: list[str] = (),
              dry_run: bool = False, on_progress: Callable[[int], None] | None = None,
-             on_start: Callable[[int], None] | None = None) -> FixResult:
-    """Plan, refuse or write: the output appears only complete and doctor-clean of errors."""
+             on_start: Callable[[int], None] | None = None, merge: bool = False) -> FixResult:
+    """Plan, refuse or write: the output appears only complete and doctor-clean of errors.
+    ``merge``: a split set becomes one file ``out``."""
     src, out = Path(src), Path(out)
     gf = GGUFFile.open(src)
     try:
         if not dry_run:
-            _check_paths(src, out)
-        p = plan(gf, assignments)
+            _check_paths(gf.piece_paths, out)
+        p = plan(gf, assignments, merge)
+        outs = output_paths(out, len(p.files))
+        if not dry_run:
+            for path in outs[1:]:
+                _check_paths(gf.piece_paths, path)
         if dry_run:
             return FixResult(p, None, None)
         if p.blockers:
@@ -346,29 +427,45 @@ def fix_file(src: str | os.PathLike, out: str | os.PathLike, assignments: list[s
             return FixResult(p, None, None)
         if on_start:
             on_start(sum(t.n_bytes for t in p.tensors))
-        return FixResult(p, out, _write_atomically(p, src, out, on_progress))
+        return FixResult(p, outs[0], _write_atomically(p, outs, on_progress))
     finally:
         gf.close()
 
 
-def _write_atomically(p: FixPlan, src: Path, out: Path, on_progress) -> Report:
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
+def _write_atomically(p: FixPlan, outs: list[Path], on_progress) -> Report:
+    """Every file to a temporary name, fsynced; the whole output checked; then renamed."""
+    tmps: list[Path] = []
     try:
-        try:
-            with os.fdopen(fd, "wb") as f:
-                _write(p, f, on_progress)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); "
-                               "nothing written") from None
-        shutil.copymode(src, tmp)
-        report = diagnose(tmp)
+        for file, out in zip(p.files, outs):
+            fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+            tmps.append(Path(tmp_name))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    _write(p.source, file, f, on_progress)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); "
+                                   "nothing written") from None
+            shutil.copymode(file.source.path, tmps[-1])
+        report = _diagnose_written(tmps, outs[0])
         errors = [f for f in report.findings if f.severity == ERROR]
         if errors:
-            raise _refusal(str(out), errors)
-        os.replace(tmp, out)
-        return Report(str(out), report.findings)
+            raise _refusal(str(outs[0]), errors)
+        for tmp, out in zip(tmps, outs):
+            os.replace(tmp, out)
+        return report
     finally:
-        tmp.unlink(missing_ok=True)
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
+
+
+def _diagnose_written(tmps: list[Path], first: Path) -> Report:
+    """doctor on the written files, before they get their names."""
+    if len(tmps) == 1:
+        return Report(str(first), diagnose(tmps[0]).findings)
+    written = GGUFFile.from_pieces([GGUFFile.open_piece(tmp) for tmp in tmps])
+    try:
+        return Report(str(first), check(written))
+    finally:
+        written.close()

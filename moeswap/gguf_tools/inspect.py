@@ -1,5 +1,7 @@
 """`moeswap inspect`: an MoE-aware summary of a GGUF file from its header and tensor index.
 
+A split set is summarised as the one model it is, followed by its pieces.
+
 Nothing beyond the header is read (tokenizer arrays stay undecoded byte spans), so this
 takes well under a second on any file size.
 """
@@ -30,6 +32,17 @@ class TensorRow:
     type: str
     shape: list[int]  # ne order
     bytes: int
+    piece: int  # which file of a split set holds it (0 for a single file)
+
+
+@dataclass(frozen=True)
+class PieceRow:
+    """One file of a split set."""
+
+    path: str
+    file_size: int
+    n_tensors: int
+    tensor_bytes: int
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,7 @@ class LayerRow:
 class InspectReport:
     path: str
     gguf_version: int
-    file_size: int
+    file_size: int  # of every file of the model
     n_tensors: int
     n_kv: int
     metadata: MoEMetadata
@@ -55,6 +68,7 @@ class InspectReport:
     totals: ByteTotals
     type_mix: dict[str, tuple[int, int]]
     tensors: list[TensorRow]
+    pieces: list[PieceRow]  # a split set's files, in order; empty for a single file
 
     def to_json(self, with_tensors: bool = False) -> dict:
         data = asdict(self)
@@ -88,10 +102,14 @@ def build_report(gf: GGUFFile) -> InspectReport:
             one_expert_bytes=view.expert_bytes(layer),
         ))
     tensors = [TensorRow(t.name, view.roles[t.name].role, view.roles[t.name].layer, t.type_name,
-                         list(t.shape), t.n_bytes) for t in gf.tensors]
-    return InspectReport(str(gf.path), gf.version, gf.file_size, len(gf.tensors), len(gf.kv),
+                         list(t.shape), t.n_bytes, t.piece) for t in gf.tensors]
+    pieces = [PieceRow(str(piece.path), piece.file_size,
+                       sum(t.piece == i for t in gf.tensors),
+                       sum(max(t.n_bytes, 0) for t in gf.tensors if t.piece == i))
+              for i, piece in enumerate(gf.pieces)]
+    return InspectReport(str(gf.path), gf.version, gf.total_size, len(gf.tensors), len(gf.kv),
                          view.metadata, view.is_moe, view.expert_width, layers, view.totals(),
-                         view.type_mix(), tensors)
+                         view.type_mix(), tensors, pieces)
 
 
 def human_bytes(n: int) -> str:
@@ -125,8 +143,9 @@ def _gating_line(m) -> str:
 def render(report: InspectReport, console: Console, with_tensors: bool = False) -> None:
     m = report.metadata
     known = "known to llama.cpp" if m.known_to_llama_cpp else "NOT known to llama.cpp"
+    split = f", split set of {len(report.pieces)} files" if report.pieces else ""
     summary = Table(title=f"{report.path} (GGUF v{report.gguf_version}, "
-                          f"{human_bytes(report.file_size)})", show_header=False)
+                          f"{human_bytes(report.file_size)}{split})", show_header=False)
     summary.add_column("key", style="bold")
     summary.add_column("value")
     summary.add_row("architecture", f"{_show(m.architecture)} ({known})")
@@ -147,6 +166,8 @@ def render(report: InspectReport, console: Console, with_tensors: bool = False) 
     summary.add_row("one expert (one layer)", human_bytes(totals.one_expert))
     summary.add_row("active per token", human_bytes(totals.active_per_token))
     console.print(summary)
+    if report.pieces:
+        _render_pieces(report, console)
 
     mix = Table(title="tensor types")
     for column in ("type", "tensors", "bytes"):
@@ -169,9 +190,24 @@ def render(report: InspectReport, console: Console, with_tensors: bool = False) 
 
     if with_tensors:
         table = Table(title="tensors")
-        for column in ("name", "role", "type", "shape (ne)", "bytes"):
-            table.add_column(column, justify="right" if column == "bytes" else "left")
+        columns = ("name", "role", "type", "shape (ne)", "bytes") + (("piece",) if report.pieces
+                                                                    else ())
+        for column in columns:
+            table.add_column(column, justify="right" if column in ("bytes", "piece") else "left")
         for t in report.tensors:
-            table.add_row(t.name, t.role, t.type, "x".join(map(str, t.shape)), str(t.bytes))
+            piece = (str(t.piece + 1),) if report.pieces else ()
+            table.add_row(t.name, t.role, t.type, "x".join(map(str, t.shape)), str(t.bytes),
+                          *piece)
         console.print(table)
+
+
+def _render_pieces(report: InspectReport, console: Console) -> None:
+    table = Table(title="split set")
+    for column in ("piece", "file", "tensors", "tensor bytes", "file size"):
+        table.add_column(column, justify="left" if column == "file" else "right")
+    for number, piece in enumerate(report.pieces, 1):
+        table.add_row(f"{number}/{len(report.pieces)}", os.path.basename(piece.path),
+                      str(piece.n_tensors), human_bytes(piece.tensor_bytes),
+                      human_bytes(piece.file_size))
+    console.print(table)
 

@@ -86,7 +86,9 @@ def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], N
         for part in ExpertLayout.from_file(gguf, layer).parts:
             info = gguf.tensor(part.name)
             shape = "x".join(str(n) for n in info.shape)
-            log(f"{info.name}  {shape}  {info.type_name}  {where}  from offset {info.data_start}")
+            piece = f" of {gguf.piece_of(info).path.name}" if gguf.pieces else ""
+            log(f"{info.name}  {shape}  {info.type_name}  {where}  "
+                f"from offset {info.data_start}{piece}")
 
 
 def _quantized_experts(gguf: GGUFFile, layers: list[int]) -> bool:

@@ -43,8 +43,9 @@ class ExpertPart:
     ggml_type: int
     ne: tuple[int, ...]  # one expert's shape: (in, out) for a matrix, (out,) for a bias
     n_experts: int
-    data_start: int  # absolute file offset of expert 0
+    data_start: int  # absolute offset of expert 0 in the file holding the stack
     expert_bytes: int  # one expert's piece; expert e starts at data_start + e * expert_bytes
+    file: int = 0  # which piece of a split set holds the stack (0: the only file)
 
     @property
     def is_matrix(self) -> bool:
@@ -92,7 +93,7 @@ class ExpertLayout:
                                    f"{dims} dimensions with the expert index last")
             n_experts = info.shape[-1]
             return ExpertPart(name, int(info.type_id), tuple(info.shape[:-1]), n_experts,
-                              info.data_start, info.n_bytes // n_experts)
+                              info.data_start, info.n_bytes // n_experts, info.piece)
 
         p = f"blk.{layer}.ffn_"
         fused = gguf.tensor(p + "gate_up_exps.weight") is not None
