@@ -127,6 +127,30 @@ def mixtral_q8(tmp_path_factory):
     return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
+def test_threshold_equals_a_hand_thresholded_resident_run(mixtral_q8):
+    """--expert-threshold 0.25 on four picks per token equals the resident runner given the
+    weights docs/OFFLOAD.md describes: picks under 0.25 weigh 0, a token's top pick is kept even
+    when under it, and the kept weights are rescaled to the original sum."""
+    gguf = GGUFFile.open(mixtral_q8)
+    fixed, slot, layers, n_experts = plan(mixtral_q8)
+    kernels = CpuKernels(1)
+    store = ExpertStore(gguf, kernels, layers, "silu",
+                        OffloadSettings(host_bytes=fixed + n_experts * slot, threshold=0.25))
+    resident = QuantResidentExperts(gguf, kernels, layers, "silu")
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [1, 3, 5, 7]])  # [3, 4]
+    weights = torch.tensor([[0.4, 0.3, 0.2, 0.1],  # two kept, rescaled to sum 1.0
+                            [0.2, 0.24, 0.1, 0.05],  # all under: the top pick alone, 0.59
+                            [0.5, 0.25, 0.25, 0.0]])  # at the threshold is kept
+    by_hand = torch.tensor([[0.4 / 0.7, 0.3 / 0.7, 0.0, 0.0],
+                            [0.0, 0.59, 0.0, 0.0],
+                            [0.5, 0.25, 0.25, 0.0]])
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    got = store.run(layers[0], x, ids, weights)
+    expected = resident.run(layers[0], x, ids, by_hand)
+    assert float((got - expected).abs().max()) <= 1e-6 * float(expected.abs().max())
+    assert store.stats()["layers"][layers[0]]["threshold_drops"] == 6
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data())
 def test_budgets_hold_and_accounting_equals_the_bytes_held(mixtral_q8, data):
