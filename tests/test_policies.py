@@ -5,10 +5,12 @@ from __future__ import annotations
 import functools
 import os
 import random
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from moeswap.routing.policies import (
     ARC, LFU, LFUDA, LRU, S3FIFO, AdmitAfter, Belady, LearnedReuse, Pinned, ReuseTable, SlidingWindow,
@@ -42,6 +44,54 @@ def test_lfu_hand_worked_counts_survive_eviction():
     assert "".join("H" if s.hit else "m" for s in steps) == "mHmmmmm"
     assert [s.evicted for s in steps] == [None, None, None, "b", "c", "a", "b"]
     assert policy.resident() == {"c", "a"}
+
+
+class OrderedDictLRU:
+    """The reference: an OrderedDict in recency order, least recent first."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.held = capacity, OrderedDict()
+
+    def access(self, key) -> tuple[bool, object]:
+        """-> (hit, evicted key or None)."""
+        if key in self.held:
+            self.held.move_to_end(key)
+            return True, None
+        if self.capacity == 0:
+            return False, None
+        evicted = self.victim() if len(self.held) >= self.capacity else None
+        self.held.pop(evicted, None)
+        self.held[key] = None
+        return False, evicted
+
+    def victim(self):
+        return next(iter(self.held))
+
+
+class OrderedDictLFU(OrderedDictLRU):
+    """LFU with counts that survive eviction; among equal counts the least recent goes."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.count = Counter()
+
+    def access(self, key):
+        self.count[key] += 1
+        return super().access(key)
+
+    def victim(self):
+        return min(self.held, key=lambda k: self.count[k])  # min keeps the first (least recent)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(0, 5), keys=st.lists(st.integers(0, 7), max_size=80),
+       kind=st.sampled_from([(LRU, OrderedDictLRU), (LFU, OrderedDictLFU)]))
+def test_lru_and_lfu_equal_an_ordered_dict_reference(capacity, keys, kind):
+    policy, reference = kind[0](capacity), kind[1](capacity)
+    for key in keys:
+        step = policy.access(key)
+        assert (step.hit, step.evicted) == reference.access(key), key
+        assert policy.resident() == set(reference.held)
 
 
 def test_lfuda_ages_out_old_favourites():
