@@ -97,3 +97,53 @@ def test_kernels_suite_smoke(tmp_path):
 def test_kernels_suite_refuses_an_unknown_type(tmp_path, capsys):
     assert main(["bench", "--suite", "kernels", "--types", "Q8_0,Q9_9", "-o", str(tmp_path)]) == 2
     assert "no kernel for Q9_9" in capsys.readouterr().err
+
+
+def test_server_suite_batched_and_one_at_a_time(tmp_path):
+    out = tmp_path / "server"
+    code = main(["bench", "-o", str(out), "--suite", "server", "--requests", "4",
+                 "--concurrency", "2", "--max-tokens", "4", "--max-batch", "2", "--ctx", "64",
+                 "--step-tokens", "32", "--host-mem", "16MiB", "--serve-args", "--threads 1"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["suite"] == "server" and report["serve_flags"][-2:] == ["--threads", "1"]
+    batched, single = report["modes"]["batched"], report["modes"]["one at a time"]
+    assert (batched["max_batch"], single["max_batch"]) == (2, 1)
+    # the same room for experts: one request a step is charged less, so its budget is smaller
+    assert batched["host_mem"] == 16 * 2**20 > single["host_mem"] > 0
+    for mode in (batched, single):
+        assert mode["errors"] == [] and len(mode["latencies"]) == 4
+        assert 0 < mode["tokens"] <= 16 and mode["wall"] > 0
+        assert 0 < mode["baseline"] <= mode["peak"]
+        assert mode["disk_bytes"] > 0 and 0 <= mode["hit_rate"] <= 1
+    assert report["speedup"] > 0
+    over = [n for n, m in report["modes"].items() if m["anon_growth"] > m["host_mem"]]
+    assert report["over_budget"] == over and report["passed"] == (not over)
+    assert code == (0 if report["passed"] else 1)
+    text = (out / "report.md").read_text()
+    assert "| batched (--max-batch 2) | 0 |" in text and "one at a time (--max-batch 1)" in text
+
+
+def test_server_suite_refuses_flags_it_sets_itself(tmp_path, capsys):
+    assert main(["bench", "-o", str(tmp_path), "--suite", "server",
+                 "--serve-args", "--threads 1 --host-mem=1GiB"]) == 2
+    assert "--serve-args may not set --host-mem=1GiB" in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_recorder_suite_on_a_tiny_generated_model(tmp_path, capsys):
+    report = suite(tmp_path / "out", "recorder", "--n-layer", "2", "--n-embd", "64",
+                   "--prompt-tokens", "4", "--gen-tokens", "2", "--repeats", "3",
+                   "--threads", "1", "--work-dir", str(tmp_path / "gen"))
+    variants = report["variants"]
+    assert list(variants) == ["off", "on", "on+probs"]
+    for name, row in variants.items():
+        assert row["same_tokens_as_off"] is True  # recording never changes the output
+        assert len(row["ms_per_token_each_repeat"]) == 3 and row["median_ms_per_token"] > 0
+        assert (row["isolated_us_per_token"] > 0) == (name != "off")
+    assert variants["off"]["cost_ratio_of_medians"] == 0
+    assert report["trace_tokens"] == 4 + 2  # the last run: prompt, then two decode steps
+    assert list((tmp_path / "gen").glob("recorder-mixtral-q8_0-2x64x224x8.gguf"))
+    assert "| on+probs | " in (tmp_path / "out" / "report.md").read_text()
+    assert main(["bench", "-o", str(tmp_path / "bad"), "--suite", "recorder",
+                 "--n-embd", "100"]) == 2
+    assert "--n-embd must be a multiple of 64" in capsys.readouterr().err

@@ -17,6 +17,8 @@ SUITES = {
     "prefetch": "prefetch off / depth 1, 2, 4 on a model read from disk; a long soak (stress)",
     "server": "`moeswap serve` under concurrent requests, batched versus one at a time",
     "kernels": "quantized matrix products: GB/s against the memory roofline, accuracy",
+    "recorder": "decode ms/token with the routing recorder off, on, and on with router "
+                "probabilities",
 }
 
 
