@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from moeswap.chat_template import ChatTemplate
+from moeswap.chat_template import ChatTemplate, ChatTemplateError
 from moeswap.errors import MoeswapError
 from moeswap.memory import STEP_TOKENS
 from moeswap.generate import GenerationStats, generate
@@ -25,11 +25,15 @@ class Runtime:
         self.tokenizer = tokenizer
         self.expert_runner = expert_runner  # the offload store's builder, when one was asked for
         self.replay = replay  # moeswap.routing.replay.RoutingReplay, when routing is replayed
-        self.chat_template = (
-            ChatTemplate(tokenizer.chat_template,
-                         bos_token=tokenizer.token_text(tokenizer.bos_id),
-                         eos_token=tokenizer.token_text(tokenizer.eos_id))
-            if tokenizer.chat_template else None)
+        self.chat_template: ChatTemplate | None = None
+        self.chat_template_error: str | None = None  # why the model's template cannot be used
+        if tokenizer.chat_template:
+            try:
+                self.chat_template = ChatTemplate(
+                    tokenizer.chat_template, bos_token=tokenizer.token_text(tokenizer.bos_id),
+                    eos_token=tokenizer.token_text(tokenizer.eos_id))
+            except ChatTemplateError as e:  # the model still completes plain prompts
+                self.chat_template_error = str(e)
 
     @property
     def config(self):
@@ -76,14 +80,29 @@ class Runtime:
                         step_tokens=step_tokens)
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], **variables: Any) -> list[int]:
-        """The token ids of ``messages`` rendered by the model's chat template."""
+        """The token ids of ``messages`` rendered by the model's chat template; control-token
+        text inside a message is text (moeswap.tokenizer.Tokenizer.protect)."""
         if self.chat_template is None:
-            raise MoeswapError("this model has no chat template (tokenizer.chat_template); "
-                               "give a plain prompt instead")
-        text = self.chat_template.render(messages, **variables)
+            raise MoeswapError(self.no_chat_template())
+        return self.rendered_chat_ids(self.chat_template.render(self.protected(messages),
+                                                                **variables))
+
+    def no_chat_template(self) -> str:
+        if self.chat_template_error:
+            return (f"this model's chat template cannot be used ({self.chat_template_error}); "
+                    "give a plain prompt instead")
+        return "this model has no chat template (tokenizer.chat_template); give a plain prompt instead"
+
+    def protected(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` with their text contents marked for ``rendered_chat_ids``."""
+        return [{**m, "content": self.tokenizer.protect(m["content"])}
+                if isinstance(m.get("content"), str) else m for m in messages]
+
+    def rendered_chat_ids(self, text: str) -> list[int]:
+        """Token ids of the chat template's output for ``protected`` messages."""
         bos = self.tokenizer.token_text(self.tokenizer.bos_id)
         # The template writes BOS itself when it wants one; do not add a second.
-        return self.tokenizer.encode(text, add_special=not (bos and text.startswith(bos)))
+        return self.tokenizer.encode_rendered(text, add_special=not (bos and text.startswith(bos)))
 
 
 def load(path: str | os.PathLike, *, threads: int | None = None,

@@ -16,6 +16,7 @@ objects), api_errors (the error body).
 
 from __future__ import annotations
 
+import sys
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -36,6 +37,9 @@ def create_app(runtime: Any, options: ServerOptions,
     """activity: the recorder the model was loaded with (``moeswap.load(recorder=...)``), for
     the experts' last use on /v1/moeswap/experts; without one, ``last_use`` is all null."""
     state = ServerState.create(runtime, options, activity)
+    if runtime.chat_template_error:  # one line, and the server serves plain completions
+        print(f"moeswap serve: warning: {runtime.chat_template_error}; /v1/chat/completions "
+              "answers 400 chat_template_unavailable", file=sys.stderr)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -44,6 +48,7 @@ def create_app(runtime: Any, options: ServerOptions,
             yield
         finally:
             state.scheduler.stop()
+            state.prompts.close()
 
     app = FastAPI(title="moeswap", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)

@@ -16,9 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from moeswap.chat_template import ChatTemplateError
-from moeswap.context_window import ContextOverflow, common_prefix_length, fit_context
-from moeswap.errors import MoeswapError
+from moeswap.context_window import ContextOverflow, fit_context
 from moeswap.sampling import SamplingParams
 from moeswap.server.activity import expert_view
 from moeswap.server.api_errors import ApiError, invalid
@@ -92,12 +90,9 @@ class Routes:
 
     async def completions(self, request: Request):
         runtime, options = self.state.runtime, self.state.options
-        body = await _parse(request, CompletionBody)
+        body = await self._parse(request, CompletionBody)
         _check_body(body, options)
-        try:
-            ids = runtime.encode(body.prompt)
-        except Exception as e:
-            raise ApiError(400, f"prompt: cannot tokenize: {e}", param="prompt") from None
+        ids = await self.state.prompts.completion_ids(body.prompt)
         if any(not 0 <= i < runtime.tokenizer.vocab_size for i in ids):
             raise ApiError(400, f"prompt: token ids must be in [0, {runtime.tokenizer.vocab_size})",
                            param="prompt")
@@ -105,17 +100,19 @@ class Routes:
         return await self._respond(body, ids, keep, request, "text_completion", "cmpl")
 
     async def chat_completions(self, request: Request):
-        runtime, options = self.state.runtime, self.state.options
-        body = await _parse(request, ChatBody)
-        _check_body(body, options)
-        messages = [m.as_template_input() for m in body.messages]
-        try:
-            ids = runtime.chat_prompt_ids(messages)
-            keep = _system_prefix_length(runtime, messages, ids) \
-                if options.ctx_policy == "keep-recent" else 0
-        except MoeswapError as e:
-            raise ApiError(400, str(e), param="messages") from None
+        body = await self._parse(request, ChatBody)
+        _check_body(body, self.state.options)
+        ids, keep = await self.state.prompts.chat_ids([m.as_template_input() for m in body.messages])
         return await self._respond(body, ids, keep, request, "chat.completion", "chatcmpl")
+
+    async def _parse(self, request: Request, schema: type[SamplingBody]) -> SamplingBody:
+        """The body as JSON (the guard has checked its Content-Type and size), parsed off the
+        event loop: a few MB take tens of milliseconds."""
+        body = await request.body()
+        try:
+            return await self.state.prompts.off_loop(schema.model_validate_json, body)
+        except ValidationError as e:
+            raise invalid(e.errors()) from None
 
     async def _respond(self, body: SamplingBody, ids: list[int], keep: int, request: Request,
                        kind: str, id_prefix: str):
@@ -157,14 +154,6 @@ def _sampling_params(body: SamplingBody) -> SamplingParams:
                           min_p=body.min_p, repeat_penalty=body.repeat_penalty, seed=seed)
 
 
-async def _parse(request: Request, schema: type[SamplingBody]) -> SamplingBody:
-    """The body as JSON (the guard has checked its Content-Type and size)."""
-    try:
-        return schema.model_validate_json(await request.body())
-    except ValidationError as e:
-        raise invalid(e.errors()) from None
-
-
 def _check_body(body: SamplingBody, options: ServerOptions) -> None:
     if body.model != options.model_name:
         raise ApiError(404, f"the model `{body.model}` does not exist; this server has "
@@ -179,20 +168,3 @@ def _check_body(body: SamplingBody, options: ServerOptions) -> None:
                        param=unsupported[0], code="unsupported_parameter")
     if isinstance(body.stop, list) and len(body.stop) > 4:
         raise ApiError(400, "stop: at most 4 stop strings", param="stop")
-
-
-def _system_prefix_length(runtime: Any, messages: list[dict], ids: list[int]) -> int:
-    """How many leading prompt tokens the keep-recent policy keeps: BOS and the system prompt."""
-    system = []
-    for m in messages:
-        if m["role"] not in ("system", "developer"):
-            break
-        system.append(m)
-    bos = 1 if ids and ids[0] == runtime.tokenizer.bos_id else 0
-    if not system:
-        return bos
-    try:
-        alone = runtime.chat_prompt_ids(system, add_generation_prompt=False)
-    except ChatTemplateError:
-        return bos
-    return max(bos, common_prefix_length(alone, ids))

@@ -14,6 +14,7 @@ from moeswap.errors import MoeswapError
 from moeswap.server.activity import ExpertActivity
 from moeswap.server.batching import BatchOptions, BatchScheduler
 from moeswap.server.metrics import HttpCounts
+from moeswap.server.prompts import Prompts
 
 # A chat body of a full 128k-token context is well under 1 MiB of text.
 MAX_BODY = 4 * 2**20
@@ -53,6 +54,7 @@ class ServerState:
     page: dict[str, bytes]  # PAGE_FILES' contents
     http_counts: HttpCounts
     created: int  # when the server started (unix seconds), the model's "created"
+    prompts: Prompts  # bodies parsed, prompts rendered and tokenized off the event loop
 
     @classmethod
     def create(cls, runtime: Any, options: ServerOptions,
@@ -60,4 +62,6 @@ class ServerState:
         scheduler = BatchScheduler(runtime.model, options.batch)
         web = importlib.resources.files("moeswap.server") / "web"
         page = {name: (web / name).read_bytes() for name in PAGE_FILES}
-        return cls(runtime, options, scheduler, activity, page, HttpCounts(), int(time.time()))
+        prompts = Prompts(runtime, options.model_name, options.batch.ctx, options.ctx_policy)
+        return cls(runtime, options, scheduler, activity, page, HttpCounts(), int(time.time()),
+                   prompts)
