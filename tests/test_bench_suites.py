@@ -147,3 +147,101 @@ def test_recorder_suite_on_a_tiny_generated_model(tmp_path, capsys):
     assert main(["bench", "-o", str(tmp_path / "bad"), "--suite", "recorder",
                  "--n-embd", "100"]) == 2
     assert "--n-embd must be a multiple of 64" in capsys.readouterr().err
+
+
+def test_trained_suite_profile(tiny_gguf, tmp_path):
+    report = suite(tmp_path, "trained", "profile", "--model", str(tiny_gguf), "--windows", "2",
+                   "--length", "8")
+    profile = tmp_path / "train.profile.json"
+    assert report["profile"] == str(profile.resolve()) and report["tokens"] == 16
+    assert json.loads(profile.read_text())["reuse"]["window"] == report["reuse_window"]
+    assert f"--policies learned:{profile.resolve()}" in (tmp_path / "report.md").read_text()
+
+
+def test_trained_suite_table(tiny_gguf, tmp_path):
+    report = suite(tmp_path, "trained", "table", "--model", str(tiny_gguf), "--windows", "1",
+                   "--length", "8", "--policies", "lru")
+    rows = report["results"]
+    assert [r["experts_share"] for r in rows] == [0.0, 0.10, 0.25, 0.50, 1.0]
+    budgets = [r["host_budget"] for r in rows]
+    assert budgets == sorted(budgets) and budgets[0] < budgets[1]  # 10 %: a slot more
+    assert rows[0]["hit_rate"] == 0 and rows[0]["disk_bytes"] > rows[-1]["disk_bytes"]
+    assert report["tokens"] == 8 and all(r["tokens_per_s"] > 0 for r in rows)
+    assert "| lru | 100% | " in (tmp_path / "report.md").read_text()
+
+
+def test_trained_suite_threshold(tiny_gguf, tmp_path):
+    report = suite(tmp_path, "trained", "threshold", "--model", str(tiny_gguf), "--windows", "1",
+                   "--length", "8", "--thresholds", "0", "0.5")
+    off, half = report["results"]
+    picks = report["picks_per_token"] * report["tokens"]
+    assert picks == 2 * 2 * 8 and report["resident_perplexity"] > 1  # top-2 in 2 layers
+    # nothing dropped: the store computes what the resident model does
+    assert off["threshold_drops"] == 0 and off["kl"] < 1e-9
+    assert off["perplexity"] == pytest.approx(report["resident_perplexity"])
+    # top-2 weights sum to 1: at most one pick of each pair is under 0.5
+    assert 0 < half["threshold_drops"] <= picks / 2 and half["kl"] > 0
+    assert "| off (resident) | 0 | " in (tmp_path / "report.md").read_text()
+
+
+def test_trained_suite_lowbit(tiny_gguf, tmp_path):
+    report = suite(tmp_path, "trained", "lowbit", "--model", str(tiny_gguf), "--windows", "1",
+                   "--length", "8")
+    rows = {(r["lowbit"], r["policy"], r["share"]): r for r in report["results"]}
+    assert len(rows) == 7
+    for type_name in ("q4_k", "q6_k"):  # 64-value rows: no 256-value blocks
+        assert "not a multiple of its 256-value blocks" in rows[type_name, "lru", 0.0]["refused"]
+    for type_name in ("q4_0", "q5_0"):  # no host slots: every request a copy's
+        row = rows[type_name, "lru", 0.0]
+        assert row["lowbit_fires"] == row["requests"] > 0 and row["kl"] > 0
+    assert rows["q4_0", "lru", 0.0]["lowbit_held_bytes"] < rows["q5_0", "lru", 0.0]["lowbit_held_bytes"]
+    admit = rows["q4_0", "admit:2", 0.25]
+    assert 0 < admit["lowbit_fires"] < admit["requests"]
+    text = (tmp_path / "report.md").read_text()
+    assert "| q5_0 | lru | 0% | " in text and "q6_k (lru, 0%): refused: " in text
+
+
+def tiny_traces(folder):
+    """The real traces' layout with a few random tokens: Mixtral-style JSON lines (2 layers,
+    top-2 of 8, 2 problems each) and a Switch-style trace of 10 prompts (2 layers, top-1)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    (folder / "mixtral-8x7b").mkdir(parents=True)
+    for name in ("gsm8k", "humaneval"):
+        rows = [{"dataset": name, "problem_id": p, "layer": layer, "token_idx": t,
+                 "experts": [int(e) for e in rng.choice(8, 2, replace=False)],
+                 "gating_probs": [0.6, 0.4]}
+                for p in range(2) for layer in range(2) for t in range(12)]
+        (folder / "mixtral-8x7b" / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "switch-base-8").mkdir()
+    selections = rng.integers(0, 8, (60, 2, 1)).tolist()
+    (folder / "switch-base-8" / "router-trace.v2.json").write_text(
+        json.dumps({"expertsPerLayer": 8, "selections": selections}))
+    spans = [{"id": f"p{i}", "token_start": 6 * i, "token_end_exclusive": 6 * i + 6}
+             for i in range(10)]
+    (folder / "switch-base-8" / "capture-metadata.json").write_text(
+        json.dumps({"sparse_encoder_block_indices": [1, 3], "prompt_spans": spans}))
+    return folder
+
+
+def test_traces_suite_on_tiny_traces(tmp_path, capsys):
+    report = suite(tmp_path / "out", "traces", "--traces", str(tiny_traces(tmp_path / "traces")))
+    pairs = report["pairs"]
+    assert [p["tokens"] for p in pairs] == [24, 24, 30, 30] and [p["k"] for p in pairs] == [2, 2, 1, 1]
+    for pair in pairs:
+        rates = pair["hit_rates"]
+        for c in map(str, report["capacities"]):  # report.json's keys are text
+            assert all(0 <= r[c] <= rates["belady"][c] + 1e-12 for r in rates.values())
+        assert list(pair["imposed_gain"]["8"]) == [str(c) for c in range(pair["k"] + 1, 7)]
+    text = (tmp_path / "out" / "report.md").read_text()
+    first = pairs[0]["hit_rates"]
+    gain = (first["learned"]["3"] - first["lru"]["3"]) * 100
+    assert f"| learned − lru | {(first['learned']['1'] - first['lru']['1']) * 100:+.1f} | " \
+           f"{(first['learned']['2'] - first['lru']['2']) * 100:+.1f} | {gain:+.1f} |" in text
+    capsys.readouterr()
+    missing = tmp_path / "nowhere"
+    assert main(["bench", "--suite", "traces", "--traces", str(missing), "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{missing}: no such folder" in err

@@ -19,6 +19,10 @@ SUITES = {
     "kernels": "quantized matrix products: GB/s against the memory roofline, accuracy",
     "recorder": "decode ms/token with the routing recorder off, on, and on with router "
                 "probabilities",
+    "trained": "the built-in trained model on held-out text: its routing profile, policies x "
+               "budgets, the quality cost of --expert-threshold and --miss-lowbit",
+    "traces": "cache policies simulated on the real routing traces in ../shared/traces "
+              "(docs/TRACES.md's table)",
 }
 
 
