@@ -1,7 +1,10 @@
 """Interactive chat in the terminal: the model's own chat template, replies streamed.
 
 Each line typed is a user turn; ``/reset`` forgets the conversation, ``/stats`` prints speed,
-context use and the expert store's counters, ``/exit`` (or end of input) quits. The KV cache
+context use and the expert store's counters, ``/exit`` (or end of input) quits. On a terminal
+lines are read with readline (editing, history); Ctrl-C at an empty prompt asks for a second
+press before quitting, and during a reply stops the reply. A reply cut off by ``-n`` or by a
+full context says so. The KV cache
 is kept between turns: when the new prompt starts with everything already in the cache, only
 the new tokens are prefilled. A conversation that outgrows ``ctx`` is refused (the turn is
 dropped) or, with the keep-recent policy, cut to the system prompt and the most recent tokens.
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 HELP = "commands: /reset (new conversation), /stats, /exit"
+QUIT_HINT = "(Ctrl-C again, /exit or Ctrl-D to quit)"
 
 
 @dataclass(frozen=True)
@@ -64,15 +68,13 @@ class ChatSession:
             [{"role": "system", "content": self.options.system}] if self.options.system else [])
         self.cache = None
         self.cached: list[int] = []  # the ids whose keys and values the cache holds
+        self.cut_off = ""  # why the last reply stopped short, if it did
 
     def run(self, input: TextIO, output: TextIO) -> None:
-        interactive = input.isatty()
+        read = _terminal_reader(output) if input.isatty() else input.readline
         output.write(HELP + "\n")
         while True:
-            if interactive:
-                output.write("> ")
-                output.flush()
-            line = input.readline()
+            line = read()
             if not line:
                 break
             line = line.strip()
@@ -102,6 +104,7 @@ class ChatSession:
             return
         stream = self.runtime.tokenizer.stream(ids)
         reply = []
+        self.cut_off = ""
         try:
             for token in self._reply_tokens(ids):
                 piece = stream.push(token)
@@ -110,6 +113,8 @@ class ChatSession:
                 output.flush()
         except KeyboardInterrupt:
             output.write(" [interrupted]")
+        if self.cut_off:
+            output.write(f" [{self.cut_off}]")
         output.write("\n")
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
@@ -133,7 +138,10 @@ class ChatSession:
         self.stats.prompt_seconds += time.perf_counter() - started
         for _ in range(self.options.max_tokens):
             token = self.sampler.next_token(logits, self.cached)
-            if token in self.runtime.tokenizer.stop_ids or len(self.cached) >= self.options.ctx:
+            if token in self.runtime.tokenizer.stop_ids:
+                return
+            if len(self.cached) >= self.options.ctx:
+                self.cut_off = f"cut off: the context (--ctx {self.options.ctx}) is full"
                 return
             self.stats.generated_tokens += 1
             yield token
@@ -141,6 +149,7 @@ class ChatSession:
             logits = self._feed([token])
             self.stats.decode_tokens += 1
             self.stats.decode_seconds += time.perf_counter() - started
+        self.cut_off = f"cut off at -n {self.options.max_tokens} tokens"
 
     def _feed(self, tokens: list[int]) -> torch.Tensor:
         """Run ``tokens`` after the cached ids, ``step_tokens`` per forward: the next token's
@@ -166,3 +175,23 @@ class ChatSession:
             lines += [f"{tier} tier: {v['held_bytes'] / 2**20:.1f} MiB of "
                       f"{v['budget_bytes'] / 2**20:.1f} MiB" for tier, v in store["tiers"].items()]
         return "\n".join(lines)
+
+
+def _terminal_reader(output: TextIO):
+    """Lines from the terminal through readline (editing, history): one Ctrl-C at the prompt
+    asks for a second before quitting ('' ends the session, as end of input does)."""
+    import readline  # noqa: F401  (imported for its effect: input() gains editing and history)
+
+    def read() -> str:
+        for presses in (1, 2):
+            try:
+                return input("> ") + "\n"
+            except EOFError:
+                return ""
+            except KeyboardInterrupt:
+                if presses == 2:
+                    return ""
+                output.write(f"\n{QUIT_HINT}\n")
+                output.flush()
+
+    return read

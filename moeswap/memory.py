@@ -8,6 +8,7 @@ Pure arithmetic over a ModelConfig: the engine sizes its caches with it, and the
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -22,11 +23,21 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
 
 
 def parse_size(text: str) -> int:
-    """'12GiB', '512MiB', '1.5GB', '4096' -> bytes."""
+    """'12GiB', '512MiB', '1.5GB', '4096' -> bytes (a fraction of a byte rounds up)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise MoeswapError(f"cannot read {text!r} as a size; write e.g. 512MiB, 12GiB or 4096")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return math.ceil(round(float(match.group(1)) * _UNITS[match.group(2).lower()], 6))
+
+
+def format_size(n_bytes: int) -> str:
+    """Bytes for people and for flags: '3.21GiB', '249.01MiB', '12KiB', '512'; never less than
+    ``n_bytes`` when read back with parse_size, so a size a message asks for is enough."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n_bytes >= size:
+            value = math.ceil(n_bytes * 100 / size) / 100  # two decimals, rounded up
+            return f"{value:.2f}".rstrip("0").rstrip(".") + unit
+    return str(n_bytes)
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
@@ -119,3 +130,21 @@ class HostCharge:
     def bytes(self, config: ModelConfig, shared_bytes: int, staging_bytes: int,
               lowbit_bytes: int = 0) -> int:
         return sum(self.terms(config, shared_bytes, staging_bytes, lowbit_bytes).values())
+
+    def shortfall(self, host_bytes: int, terms: dict[str, int], slot_bytes: int) -> str:
+        """Why ``host_bytes`` cannot hold ``terms`` (this charge's), in human units, and every
+        knob that would make it fit."""
+        charged = sum(terms.values())
+        parts = [f"{CHARGE_WORDS[name]} ({format_size(n)})" for name, n in terms.items() if n]
+        fixes = [f"--host-mem {format_size(charged + slot_bytes)} or more"]
+        if terms["kv_bytes"]:
+            fixes.append(f"a shorter context than {self.context_tokens} positions (--ctx)")
+        if self.sequences > 1:
+            fixes.append(f"fewer than {self.sequences} sequences at once (--max-batch)")
+        if terms["working_bytes"] and self.step_tokens != 1:
+            fixes.append(f"fewer tokens per forward than {self.step_tokens or 'a context'} "
+                         "(--step-tokens)")
+        if terms["lowbit_bytes"]:
+            fixes.append("no --miss-lowbit copies")
+        return (f"--host-mem {format_size(host_bytes)} is below {', '.join(parts[:-1])} and "
+                f"{parts[-1]}, which stay in RAM. Give " + "; or ".join(fixes))

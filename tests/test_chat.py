@@ -44,16 +44,28 @@ def runtime(tiny_path):
     return moeswap.load(tiny_path, threads=1, tokenizer_cache_dir=tiny_path.parent / "cache")
 
 
-def reply(runtime, messages, ctx=4096, policy="error"):
-    """What one greedy turn should print: the reply over the whole conversation, fresh cache."""
+def turn_ids(runtime, messages, ctx=4096, policy="error"):
+    """The prompt ids of one turn over the whole conversation."""
     ids = runtime.chat_prompt_ids(messages)
     keep = 1
     if messages[0]["role"] == "system":
         keep = len(runtime.chat_prompt_ids(messages[:1], add_generation_prompt=False))
-    ids = fit_context(ids, ctx, max_tokens=N, policy=policy, keep_prefix=keep)
+    return fit_context(ids, ctx, max_tokens=N, policy=policy, keep_prefix=keep)
+
+
+def reply(runtime, messages, ctx=4096, policy="error"):
+    """The greedy reply of one turn over the whole conversation, from a fresh cache."""
+    ids = turn_ids(runtime, messages, ctx, policy)
     tokens = list(runtime.generate(ids, N, temperature=0.0))
     stream = runtime.tokenizer.stream(ids)
     return "".join(stream.push(t) for t in tokens)
+
+
+def printed(runtime, messages, ctx=4096, policy="error") -> str:
+    """What the turn prints: its reply, marked when -n cut it off (N tokens, no stop token)."""
+    ids = turn_ids(runtime, messages, ctx, policy)
+    cut = len(list(runtime.generate(ids, N + 1, temperature=0.0))) > N
+    return reply(runtime, messages, ctx, policy) + (f" [cut off at -n {N} tokens]" if cut else "")
 
 
 def chat(tiny_path, monkeypatch, capsys, script: str, *flags: str) -> tuple[int, str, str]:
@@ -72,10 +84,10 @@ def test_turns_reset_and_stats(tiny_path, runtime, monkeypatch, capsys):
     second = first + [{"role": "assistant", "content": r1}, {"role": "user", "content": "efg"}]
     r2 = reply(runtime, second)
     lines = out.split("\n")
-    assert lines[:3] == [HELP, r1, r2]
+    assert lines[:3] == [HELP, printed(runtime, first), printed(runtime, second)]
     assert lines[3].startswith("prompt: ") and "tokens/s" in lines[3]
     assert lines[4].startswith("context: ") and lines[4].endswith("MiB")
-    assert lines[5:] == ["(conversation reset)", r1,
+    assert lines[5:] == ["(conversation reset)", printed(runtime, first),
                          "unknown command /nope; " + HELP, ""]
 
 
@@ -167,7 +179,7 @@ def test_context_overflow_is_refused_and_the_session_goes_on(tiny_path, runtime,
     assert code == 0
     lines = out.split("\n")
     assert lines[1].startswith("error: the prompt is ") and "--ctx-policy keep-recent" in lines[1]
-    assert lines[2] == reply(runtime, [{"role": "user", "content": "bcd"}], ctx=16)
+    assert lines[2] == printed(runtime, [{"role": "user", "content": "bcd"}], ctx=16)
 
 
 def test_keep_recent_policy_cuts_the_middle(tiny_path, runtime, monkeypatch, capsys):
@@ -176,7 +188,7 @@ def test_keep_recent_policy_cuts_the_middle(tiny_path, runtime, monkeypatch, cap
                         "--ctx-policy", "keep-recent", "--system", "hh")
     assert code == 0
     messages = [{"role": "system", "content": "hh"}, {"role": "user", "content": long}]
-    assert out.split("\n")[1] == reply(runtime, messages, ctx=24, policy="keep-recent")
+    assert out.split("\n")[1] == printed(runtime, messages, ctx=24, policy="keep-recent")
 
 
 def test_model_without_a_template_is_a_clear_error(tmp_path, monkeypatch, capsys):

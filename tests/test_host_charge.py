@@ -14,7 +14,7 @@ from moeswap.experts.store import ExpertStore
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
-from moeswap.memory import HostCharge
+from moeswap.memory import HostCharge, format_size
 from moeswap.quant import CpuKernels
 
 EXTRA = 12345
@@ -87,4 +87,4 @@ def test_run_refuses_a_budget_the_new_term_no_longer_fits(mixtral_path, monkeypa
     capsys.readouterr()
     add_a_term(monkeypatch)
     assert main(args) == 2
-    assert f"the extra term ({EXTRA} bytes)" in capsys.readouterr().err
+    assert f"the extra term ({format_size(EXTRA)})" in capsys.readouterr().err

@@ -184,7 +184,8 @@ def test_budgets_hold_with_the_copies_charged(mixtral_q8, data):
         assert held == r.pools["host"].nbytes + fixed + r.lowbit.pool.nbytes
         assert set(store.residency.slots["host"]) == store.residency.policies["host"].resident()
     with pytest.raises(MoeswapError,
-                       match=r"the --miss-lowbit copies \(\d+ bytes\); give at least"):
+                       match=r"the --miss-lowbit copies \([\d.]+[KMG]iB\), which stay in RAM\. "
+                             r"Give --host-mem [\d.]+[KMG]iB or more; .*no --miss-lowbit"):
         ExpertStore(gguf, CpuKernels(1), layers, "silu",
                     OffloadSettings(host_bytes=fixed + copies - 1, miss_lowbit="q4_0"))
 

@@ -8,7 +8,7 @@ import moeswap
 from moeswap.cli import main
 from moeswap.experts.cost import Rates
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.memory import forward_working_bytes, kv_cache_bytes
+from moeswap.memory import format_size, forward_working_bytes, kv_cache_bytes
 from moeswap.planner import auto
 from moeswap.planner.auto import HOST_RESERVE, Machine, auto_plan
 from moeswap.planner.llama_cpp import GPU_RESERVE
@@ -75,7 +75,8 @@ def test_run_uses_the_plans_budgets_and_matches_all_resident(sizes, capsys, monk
     budget = charged(sizes) + 5 * sizes.slot_bytes
     code, planned, err = run(capsys, monkeypatch, machine_with(budget), "--plan", "auto")
     assert code == 0
-    assert f"plan auto: --host-mem {budget} --device-mem 0: 0 device + 5 host slots" in err
+    assert (f"plan auto: --host-mem {format_size(budget)} --device-mem 0: 0 device + 5 host slots"
+            in err)
     assert f"host tier: 5/5 slots of {sizes.slot_bytes} bytes" in err
     assert "device tier: 0/0 slots" in err
     code, resident, err = run(capsys, monkeypatch, None)
@@ -95,7 +96,7 @@ def test_explicit_host_mem_wins(sizes, capsys, monkeypatch):
     code, _, err = run(capsys, monkeypatch, machine_with(8 * GiB), "--plan", "auto",
                        "--host-mem", str(given))
     assert code == 0
-    assert f"--host-mem {given} --device-mem 0: 0 device + 2 host slots" in err
+    assert f"--host-mem {format_size(given)} --device-mem 0: 0 device + 2 host slots" in err
     assert f"host tier: 2/2 slots of {sizes.slot_bytes} bytes" in err
 
 

@@ -157,7 +157,7 @@ def test_refresh_replaces_a_damaged_probe_cache(tmp_path, monkeypatch):
     from moeswap.planner import probe
     from moeswap.experts.cost import Rates
 
-    monkeypatch.setattr(probe, "probe", lambda threads, folder: Rates(**RATES))
+    monkeypatch.setattr(probe, "probe", lambda threads, folder, on_step: Rates(**RATES))
     monkeypatch.setattr(probe.platform, "node", lambda: "box")
     cache = tmp_path / "probe.json"
     cache.write_text("{not json")

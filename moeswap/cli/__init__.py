@@ -11,7 +11,8 @@ import sys
 
 from moeswap.errors import MoeswapError
 
-COMMAND_MODULES = ("gguf_commands", "trace_commands", "run_commands", "convert_commands", "probe_commands", "serve_commands", "plan_commands", "bench_commands",)
+COMMAND_MODULES = ("gguf_commands", "trace_commands", "run_commands", "convert_commands",
+                   "probe_commands", "serve_commands", "plan_commands", "bench_commands")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,15 +21,33 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeswap", description="Run Mixture-of-Experts models whose experts do not all fit in "
                                     "fast memory, and the tools around them.")
+    parser.add_argument("--version", action="version", version=f"moeswap {package_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"moeswap.cli.{name}").register(subparsers)
+    for command in subparsers.choices.values():  # a bad flag prints its own command's usage
+        command.set_defaults(parser=command)
     return parser
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moeswap")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from moeswap.cli.common_args import resolve_model
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if hasattr(args, "model_option"):
+        resolve_model(args, args.parser)
     try:
         return int(args.handler(args) or 0)
     except MoeswapError as e:

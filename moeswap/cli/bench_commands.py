@@ -11,6 +11,7 @@ from pathlib import Path
 
 from moeswap.bench.scenarios import SCENARIOS
 from moeswap.bench.suites import SUITES
+from moeswap.cli.common_args import add_model_argument, add_threads_argument
 from moeswap.cli.offload_args import add_offload_arguments, offload_settings
 from moeswap.errors import MoeswapError
 
@@ -20,7 +21,7 @@ INPUTS = Path(__file__).resolve().parents[1] / "bench" / "inputs"  # shipped as 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark scenarios, each run in its own process; "
                                             "JSON, markdown and plots")
-    p.add_argument("model", nargs="?", help="a .gguf MoE file (default: the built-in model)")
+    add_model_argument(p, "a .gguf MoE file (default: the built-in model)", required=False)
     p.add_argument("--scenarios", default=",".join(SCENARIOS),
                    help=f"comma-separated, from {', '.join(SCENARIOS)} (all)")
     p.add_argument("--compare", choices=["llama.cpp"],
@@ -28,8 +29,7 @@ def register(subparsers) -> None:
     p.add_argument("-o", "--output", metavar="DIR",
                    help="where report.json, report.md, the plots and each run's raw result go "
                         "(required)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="threads for both engines (default: all cores)")
+    add_threads_argument(p, os.cpu_count(), "threads for both engines (default: all cores)")
     p.add_argument("--size", choices=["full", "smoke"], default="full",
                    help="full: 8192-token long context, 32 new tokens; smoke: a few tokens of "
                         "each, for a quick check (full)")

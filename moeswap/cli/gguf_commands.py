@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
 
+from moeswap.cli.console import stdout_console
 from moeswap.gguf_tools import doctor, fix, inspect
 
 
@@ -42,7 +43,7 @@ def run_inspect(args) -> int:
     if args.json:
         print(json.dumps(report.to_json(with_tensors=args.tensors), indent=2))
     else:
-        inspect.render(report, Console(), with_tensors=args.tensors)
+        inspect.render(report, stdout_console(), with_tensors=args.tensors)
     return 0
 
 
@@ -54,12 +55,12 @@ def run_doctor(args) -> int:
         finding = report.findings[0]
         print(f"moeswap: error: {finding.message} [{finding.rule}]", file=sys.stderr)
     else:
-        doctor.render(report, Console(soft_wrap=True))
+        doctor.render(report, stdout_console(soft_wrap=True))
     return report.exit_code
 
 
 def run_fix(args) -> int:
-    console = Console(soft_wrap=True, markup=False, highlight=False)
+    console = stdout_console(soft_wrap=True, markup=False, highlight=False)
     bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                    TimeRemainingColumn(), console=Console(stderr=True), transient=True)
     task = bar.add_task("writing", start=False)

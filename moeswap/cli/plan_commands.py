@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 
+from moeswap.cli.common_args import add_model_argument
+from moeswap.cli.console import stdout_console
 from moeswap.cli.offload_args import add_step_tokens_argument
 
 RATE_FLAGS = {"disk_bw": "disk_read", "link_bw": "link", "ram_bw": "host_compute",
@@ -14,11 +16,11 @@ RATE_FLAGS = {"disk_bw": "disk_read", "link_bw": "link", "ram_bw": "host_compute
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="count the bytes before loading: tiers, KV cache, "
                                            "speed, and llama.cpp / Ollama / vLLM / SGLang flags")
-    p.add_argument("model", help="a .gguf file (only its header is read)")
+    add_model_argument(p, "a .gguf file (only its header is read)")
     p.add_argument("--device-mem", metavar="SIZE", default="0",
                    help="GPU memory (or moeswap's device tier) to plan for, e.g. 12GiB (0)")
     p.add_argument("--host-mem", metavar="SIZE", required=True, help="RAM to plan for, e.g. 32GiB")
-    p.add_argument("--ctx", type=int, required=True, help="context length in tokens")
+    p.add_argument("-c", "--ctx", type=int, required=True, help="context length in tokens")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     add_step_tokens_argument(p, " (as run, chat and serve take it)")
     p.add_argument("--profile", metavar="FILE",
@@ -63,12 +65,11 @@ def run_plan(args) -> int:
 
 
 def print_plan(doc: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from moeswap.planner.placement import gib
 
-    console = Console(highlight=False)
+    console = stdout_console(highlight=False)
     b, kv, m = doc["bytes"], doc["kv_cache"], doc["moeswap"]
     budget = doc["budget"]
     t = Table(title=f"{doc['model']} ({doc['architecture']}): ctx {budget['context']} x "
@@ -76,24 +77,30 @@ def print_plan(doc: dict) -> None:
                     f"host {gib(budget['host_bytes'])}", show_header=False)
     t.add_column("what")
     t.add_column("value", justify="right")
-    rows = [
-        ("weights, total", gib(b["total"])),
-        ("shared (attention, norms, routers, shared experts, head)", gib(b["shared"])),
-        ("routed experts, all", gib(b["routed"])),
-        ("one expert of one layer", gib(b["one_expert"])),
-        ("read per token (shared + top-k experts)", gib(b["active_per_token"])),
+    dense = not m["experts_total"]
+    rows = [("weights, total", gib(b["total"]))]
+    if not dense:
+        rows += [
+            ("shared (attention, norms, routers, shared experts, head)", gib(b["shared"])),
+            ("routed experts, all", gib(b["routed"])),
+            ("one expert of one layer", gib(b["one_expert"])),
+            ("read per token (shared + top-k experts)", gib(b["active_per_token"]))]
+    rows += [
         ("KV cache per token (16-bit)", gib(kv["bytes_per_token_f16"])),
         ("KV cache for the context (16-bit)", gib(kv["context_bytes_f16"])),
-        ("moeswap: RAM for shared + KV (f32) + step + staging",
-         gib(m["host_charged_bytes"])),
+        ("moeswap: RAM for weights + KV (f32) + step" if dense else
+         "moeswap: RAM for shared + KV (f32) + step + staging", gib(m["host_charged_bytes"])),
         (f"moeswap: a step's working memory (--step-tokens {budget['step_tokens']})",
-         gib(m["working_bytes"])),
-        ("moeswap: expert slots device / host", f"{m['device_slots']} / {m['host_slots']} "
-                                                f"of {gib(m['slot_bytes'])}"),
-        ("moeswap: experts resident", f"{m['experts_resident']} of {m['experts_total']}"),
-        ("moeswap: experts left on disk", gib(m["experts_on_disk_bytes"])),
-        ("moeswap: expected hit rate", f"{m['hit_rate']['total']:.1%} "
-                                       f"(device {m['hit_rate']['device']:.1%})"),
+         gib(m["working_bytes"]))]
+    if not dense:
+        rows += [
+            ("moeswap: expert slots device / host", f"{m['device_slots']} / {m['host_slots']} "
+                                                    f"of {gib(m['slot_bytes'])}"),
+            ("moeswap: experts resident", f"{m['experts_resident']} of {m['experts_total']}"),
+            ("moeswap: experts left on disk", gib(m["experts_on_disk_bytes"])),
+            ("moeswap: expected hit rate", f"{m['hit_rate']['total']:.1%} "
+                                           f"(device {m['hit_rate']['device']:.1%})")]
+    rows += [
         ("moeswap: predicted decode", f"{m['decode_tokens_per_second']:.2f} tokens/s"),
         ("moeswap: predicted prefill", f"{m['prefill_tokens_per_second']:.1f} tokens/s"),
         ("llama.cpp: GPU / CPU weights", f"{gib(doc['llama_cpp']['gpu_bytes'])} / "

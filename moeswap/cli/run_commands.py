@@ -7,6 +7,7 @@ import sys
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from moeswap.cli.common_args import add_model_argument, add_threads_argument
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
@@ -15,12 +16,15 @@ from moeswap.errors import MoeswapError
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="generate text from a prompt, streamed")
-    p.add_argument("model", nargs="?", help="a .gguf file or a Hugging Face folder "
-                                             "(default: the built-in model, docs/MODEL.md)")
+    add_model_argument(p, "a .gguf file or a Hugging Face folder (default: the built-in model, "
+                          "docs/MODEL.md)", required=False)
     p.add_argument("-p", "--prompt", required=True, help="the prompt text")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (128)")
+    p.add_argument("-c", "--ctx", type=int, default=None,
+                   help="positions of the context: prompt and reply (default: the prompt's "
+                        "bytes + 1 + -n, enough for any tokenization); the reply stops there")
     add_sampling_arguments(p)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    add_threads_argument(p)
     p.add_argument("--trace", metavar="OUT.npz",
                    help="record every routing decision and write the trace here (moeswap stats)")
     p.add_argument("--verbose", action="store_true",
@@ -62,9 +66,9 @@ def run_generate(args) -> int:
                 progress.console.print(line, markup=False)
 
         prompt = len(args.prompt.encode()) + 1  # at most a token per byte, and BOS
-        context = prompt + args.n_predict
+        context = args.ctx or prompt + args.n_predict
         # the most tokens one forward feeds: a prompt chunk (decode steps feed one)
-        step = min(args.step_tokens, prompt)
+        step = min(args.step_tokens, prompt, context)
         budgets = (auto_budgets(args, model_path, context, progress.console, step)
                    if args.plan == "auto" else None)
         settings = offload_settings(args, budgets)
@@ -81,7 +85,11 @@ def run_generate(args) -> int:
 
     stats = GenerationStats()
     prompt_ids = runtime.encode(args.prompt)
-    tokens = runtime.generate(prompt_ids, args.n_predict, stats=stats,
+    if len(prompt_ids) >= context:
+        raise MoeswapError(f"the prompt is {len(prompt_ids)} tokens, the context (--ctx) "
+                           f"{context} positions: give a larger --ctx or a shorter prompt")
+    n_predict = min(args.n_predict, context - len(prompt_ids))
+    tokens = runtime.generate(prompt_ids, n_predict, stats=stats,
                               step_tokens=args.step_tokens, **asdict(sampling))
     text = runtime.tokenizer.stream(prompt_ids)
     sys.stdout.write(args.prompt)

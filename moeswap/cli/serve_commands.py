@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from moeswap.cli.common_args import add_model_argument, add_threads_argument
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
-from moeswap.cli.common_args import add_model_argument, add_threads_argument
 
 
 def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
@@ -85,6 +85,8 @@ def run_serve(args) -> int:
 def run_chat(args) -> int:
     import sys
 
+    from rich.console import Console
+
     from moeswap.chat import ChatOptions, ChatSession
     from moeswap.memory import HostCharge
 
@@ -93,6 +95,8 @@ def run_chat(args) -> int:
                           system=args.system, step_tokens=args.step_tokens)
     # a turn's new tokens may fill the context; they are fed a chunk at a time
     charge = HostCharge.for_sequence(args.ctx, min(args.step_tokens, args.ctx))
-    session = ChatSession(_load(args, charge), options, sampling)
+    with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
+        runtime = _load(args, charge)
+    session = ChatSession(runtime, options, sampling)
     session.run(sys.stdin, sys.stdout)
     return 0

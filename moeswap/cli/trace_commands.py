@@ -7,6 +7,8 @@ import json
 from rich.console import Console
 from rich.progress import Progress, track
 
+from moeswap.cli.common_args import add_model_argument, add_threads_argument
+from moeswap.cli.console import stdout_console
 from moeswap.errors import MoeswapError
 # trace_capture (the engine, torch) and plots (matplotlib) load inside the commands that use them,
 # so that `moeswap --help` and the trace tools start fast.
@@ -16,7 +18,7 @@ from moeswap.routing.traces import RoutingTrace
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("trace", help="run a model on prompts (greedy) and record its routing")
-    p.add_argument("model", help="a .gguf file or a Hugging Face folder")
+    add_model_argument(p, "a .gguf file or a Hugging Face folder")
     given = p.add_mutually_exclusive_group(required=True)
     given.add_argument("-p", "--prompt", action="append", help="a prompt (repeat for several)")
     given.add_argument("--prompts", metavar="FILE",
@@ -26,7 +28,7 @@ def register(subparsers) -> None:
                    help="tokens to generate and record per prompt after it (default 32; 0: prompt only)")
     p.add_argument("--router-probs", action="store_true",
                    help="also keep every token's full router distribution (E values per layer)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    add_threads_argument(p)
     p.set_defaults(handler=run_trace)
 
     p = subparsers.add_parser("stats", help="routing statistics of a trace: popularity, reuse, predictability")
@@ -100,7 +102,7 @@ def run_stats(args) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:
-        stats.render_stats(result, Console())
+        stats.render_stats(result, stdout_console())
     if args.plots:
         specs = ["lru", "lfu", "lfuda", "belady"]
         capacities = list(range(1, trace.n_experts + 1))
@@ -122,7 +124,7 @@ def run_simulate(args) -> int:
     if args.json:
         print(json.dumps(simulate.results_json(results), indent=1))
     else:
-        simulate.render_results(results, Console())
+        simulate.render_results(results, stdout_console())
     return 0
 
 

@@ -3,6 +3,7 @@ to build the store (``load_model(expert_runner=...)``), kept for its ``stats``."
 
 from __future__ import annotations
 
+from moeswap.errors import MoeswapError
 from moeswap.experts.cost import Rates
 from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.store import ExpertStore
@@ -23,6 +24,10 @@ class StoreBuilder:
 
     def __call__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int],
                  activation: str) -> ExpertStore:
+        if not layers:
+            raise MoeswapError(f"{gguf.path}: this {gguf.architecture} model is dense (no routed "
+                               "experts), so there is no expert store to budget; drop --host-mem "
+                               "and --device-mem: its weights all stay in RAM")
         routers = None
         if self.settings.prefetch in ("gate", "both"):  # the gate predictor runs them ahead
             config, weights = config_from_gguf(gguf), GGUFWeights(gguf)

@@ -32,7 +32,7 @@ from moeswap.experts.stats import LayerStats
 from moeswap.experts.tiers import DiskReader, SlotPool
 from moeswap.formats.config import ModelConfig
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.memory import CHARGE_WORDS, HostCharge
+from moeswap.memory import HostCharge
 from moeswap.models.quant_experts import ExpertLayout
 from moeswap.routing import policies as p
 from moeswap.routing.policy_specs import live_policy
@@ -60,10 +60,7 @@ class Residency:
                 self.lowbit.nbytes if self.lowbit is not None else 0)
         self.charge, charged = charge.terms(*paid), charge.bytes(*paid)
         if settings.host_bytes < charged:
-            terms = [f"{CHARGE_WORDS[name]} ({n} bytes)" for name, n in self.charge.items() if n]
-            raise MoeswapError(
-                f"--host-mem {settings.host_bytes} bytes is below {', '.join(terms[:-1])} and "
-                f"{terms[-1]}; give at least {charged + slot_size} bytes")
+            raise MoeswapError(charge.shortfall(settings.host_bytes, self.charge, slot_size))
         host_slots = (settings.host_bytes - charged) // slot_size if slot_size else 0
         device_slots = settings.device_bytes // slot_size if slot_size else 0
         self.budgets = {"host": settings.host_bytes, "device": settings.device_bytes}

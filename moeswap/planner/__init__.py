@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.memory import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS, format_size
 from moeswap.planner.distributed import MultiGpuPlan, plan_multi_gpu
 from moeswap.planner.llama_cpp import LlamaCppPlan, ollama_modelfile, plan_llama_cpp
 from moeswap.planner.placement import Budget, Plan, make_plan
@@ -58,11 +58,13 @@ def is_trace(path: str | Path) -> bool:
 def moeswap_command(full: FullPlan) -> list[str]:
     """``moeswap run`` with the plan's budgets (and a profile's hot set pinned)."""
     p = full.moeswap
-    args = ["moeswap", "run", p.sizes.path, "-p", "PROMPT", "--host-mem", str(p.budget.host_bytes)]
+    args = ["moeswap", "run", p.sizes.path, "-p", "PROMPT"]
+    if p.all_experts:  # a dense model has no expert store: its weights all stay in RAM
+        args += ["--host-mem", format_size(p.budget.host_bytes)]
     if p.budget.step_tokens != STEP_TOKENS:
         args += ["--step-tokens", str(p.budget.step_tokens)]
     if p.device_slots:
-        args += ["--device-mem", str(p.budget.device_bytes)]
+        args += ["--device-mem", format_size(p.budget.device_bytes)]
     if full.profile_path and not is_trace(full.profile_path):
         args += ["--policy", f"pinned:{full.profile_path}"]
     return args

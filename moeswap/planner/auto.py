@@ -14,7 +14,7 @@ from pathlib import Path
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.memory import STEP_TOKENS
+from moeswap.memory import STEP_TOKENS, format_size
 from moeswap.planner.llama_cpp import GPU_RESERVE
 from moeswap.planner.placement import Budget, Plan, gib, make_plan
 from moeswap.planner.rates import PlanRates
@@ -45,12 +45,15 @@ class AutoPlan:
         lines = [f"plan auto: RAM {gib(m.free_ram)} free of {gib(m.total_ram)}, {gpu}; "
                  f"planned for host {gib(p.budget.host_bytes)}, device "
                  f"{gib(p.budget.device_bytes)}, {p.budget.context} positions"]
-        if self.host_bytes is None:
+        if not p.all_experts:
+            lines.append("plan auto: a dense model: every weight stays in RAM (no expert store)")
+        elif self.host_bytes is None:
             lines.append(f"plan auto: all {p.all_experts} experts fit in RAM: all resident "
                          "(no expert store)")
         else:
-            lines.append(f"plan auto: --host-mem {self.host_bytes} --device-mem "
-                         f"{self.device_bytes}: {p.device_slots} device + {p.host_slots} host "
+            lines.append(f"plan auto: --host-mem {format_size(self.host_bytes)} --device-mem "
+                         f"{format_size(self.device_bytes)}: {p.device_slots} device + "
+                         f"{p.host_slots} host "
                          f"slots of {gib(p.sizes.slot_bytes)}, {p.resident_experts} of "
                          f"{p.all_experts} experts resident, expected hit rate "
                          f"{p.hits.total:.1%}")
@@ -122,6 +125,8 @@ def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rat
         raise MoeswapError(f"--plan auto: this machine has {gib(machine.free_ram)} of RAM free, "
                            f"{gib(host_bytes)} after {gib(HOST_RESERVE)} kept for the runtime: "
                            f"{refusal}") from None
+    if not plan.all_experts:  # a dense model: no expert store, every weight in RAM
+        return AutoPlan(plan, machine, None, 0, notes)
     if not from_machine:  # the user's budgets, as given
         return AutoPlan(plan, machine, host_bytes, device_bytes, notes)
     if plan.host_slots == plan.all_experts and not plan.device_slots:

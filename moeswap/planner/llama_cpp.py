@@ -165,7 +165,7 @@ def ollama_modelfile(sizes: ModelSizes, budget: Budget) -> tuple[str, int, list[
             f"PARAMETER num_gpu {layers}\n")
     notes = ["Ollama places whole blocks (num_gpu): it has no per-tensor placement like "
              "llama.cpp's -ot / --n-cpu-moe, so it cannot keep every block's attention on the GPU "
-             "while the experts stay in RAM"]
+             "while the experts stay in RAM"] if sizes.moe_layers else []
     if budget.batch > 1:
         notes.append(f"set OLLAMA_NUM_PARALLEL={budget.batch} for {budget.batch} sequences "
                      "(each gets num_ctx)")

@@ -10,13 +10,13 @@ slots of ``slot_bytes``; every other expert stays in the file. Decode is bandwid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import TOKENS_PER_READ
-from moeswap.memory import STEP_TOKENS, HostCharge
+from moeswap.memory import STEP_TOKENS, HostCharge, format_size
 from moeswap.planner.rates import PlanRates
 from moeswap.planner.replayed import check_trace, lru_hit_rate
 from moeswap.planner.sizes import ModelSizes
@@ -27,6 +27,7 @@ PREFILL_PIECE = 32  # tokens per kernel call (moeswap.quant.kernels.MAX_TOKENS_P
 Q4_K_M_BITS = 4.85  # bits per weight of a typical Q4_K_M file, for the "lower-bit quant" advice
 THRASH = ("no hits: fewer expert slots than one token's k x MoE-layer requests, which an LRU "
           "cycles through (pin a profile's hot set with --profile to do better)")
+DENSE = "a dense model: no routed experts, every weight stays in RAM"
 NO_PROFILE_HIT = ("no profile: uniform routing assumed, so the hit rate is the resident share "
                   "of all experts (give --profile for the model's real skew)")
 
@@ -93,14 +94,27 @@ def check_fits(sizes: ModelSizes, budget: Budget) -> None:
     if budget.host_bytes >= need:
         return
     short = need - budget.host_bytes
-    per_position = HostCharge.for_batch(1, budget.batch).kv_bytes(sizes.config)
-    # a shorter context needs less working memory too: counting this one's errs on the safe side
-    room = budget.host_bytes - sizes.shared_bytes - working - staging
-    fixes = [f"--host-mem {gib(need)} or more"]
-    if room >= per_position:
-        fixes.append(f"a shorter context: --ctx {room // per_position} fits")
+
+    def largest(field: str, below: int) -> int:
+        """The largest value under ``below`` of one budget field that fits (0: none does);
+        the charge grows with each of them."""
+        lo, hi = 0, below - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            tried = replace(budget, **{field: mid})
+            lo, hi = (mid, hi) if sizes.host_charged(tried.charge) <= budget.host_bytes else \
+                (lo, mid - 1)
+        return lo
+
+    fixes = [f"--host-mem {format_size(need)} or more"]
+    if context := largest("context", budget.context):
+        fixes.append(f"a shorter context: --ctx {context} fits")
     if budget.batch > 1:
-        fixes.append("a smaller --batch")
+        batch = largest("batch", budget.batch)
+        fixes.append(f"a smaller --batch: {batch} fits" if batch else "a smaller --batch")
+    step = min(budget.step_tokens or budget.context, budget.context)
+    if working and (step_tokens := largest("step_tokens", step)):
+        fixes.append(f"fewer tokens per forward: --step-tokens {step_tokens} fits")
     bits = sizes.shared_bits_per_weight
     if bits > Q4_K_M_BITS + 0.5:
         smaller = int(sizes.shared_bytes * Q4_K_M_BITS / bits)
@@ -202,14 +216,15 @@ def make_plan(sizes: ModelSizes, budget: Budget, rates: PlanRates,
     if budget.context < 1 or budget.batch < 1:
         raise MoeswapError(f"--ctx and --batch must be at least 1 (got {budget.context}, "
                            f"{budget.batch})")
-    if not sizes.moe_layers:
-        raise MoeswapError(f"{sizes.path}: no routed experts; the planner is for MoE models")
     check_fits(sizes, budget)
     terms, charged = sizes.host_terms(budget.charge), sizes.host_charged(budget.charge)
     all_experts = sizes.n_expert * len(sizes.moe_layers)
-    device_slots = min(budget.device_bytes // sizes.slot_bytes, all_experts)
-    host_slots = min((budget.host_bytes - charged) // sizes.slot_bytes, all_experts - device_slots)
-    if trace is not None:
+    device_slots = min(budget.device_bytes // sizes.slot_bytes, all_experts) if all_experts else 0
+    host_slots = (min((budget.host_bytes - charged) // sizes.slot_bytes, all_experts - device_slots)
+                  if all_experts else 0)
+    if not all_experts:  # a dense model: every weight is shared and stays in RAM
+        hits, per_layer = HitRates(0.0, 0.0, DENSE), {}
+    elif trace is not None:
         hits, per_layer = replayed_hits(sizes, device_slots, host_slots, trace)
     else:
         hits, per_layer = expected_hits(sizes, device_slots, host_slots, profile)

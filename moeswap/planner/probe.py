@@ -110,15 +110,23 @@ def _cold_reads(fd: int, view: memoryview, n_reads: int, rng: np.random.Generato
             os.posix_fadvise(fd, int(offset), size, os.POSIX_FADV_DONTNEED)
 
 
+def _quiet(step: str) -> None:
+    """The default ``on_step``: say nothing."""
+
+
 def measure_overheads(threads: int | None = None, folder: str | os.PathLike | None = None,
-                      host_compute: float | None = None) -> Overheads:
+                      host_compute: float | None = None, on_step=_quiet) -> Overheads:
     """The read ladder and the runtime's per-block and per-expert step costs (measured on a
-    synthetic model: ``moeswap.planner.step_costs``; its bytes at ``host_compute``)."""
+    synthetic model: ``moeswap.planner.step_costs``; its bytes at ``host_compute``).
+    ``on_step`` is told what is measured next."""
     from moeswap.planner.step_costs import measure_step_costs
 
     if host_compute is None:
+        on_step("CPU products over Q8_0 bytes")
         host_compute = measure_cpu_compute(CpuKernels(threads))
+    on_step("decode-step costs on a small model")
     layer_step, expert_call = measure_step_costs(host_compute, threads, folder)
+    on_step("cold reads of 4 KiB to 16 MiB")
     return Overheads(measure_read_seconds(folder), layer_step, expert_call)
 
 
@@ -159,11 +167,19 @@ def measure_cuda() -> tuple[float, float]:
     return _SIZE / _best_seconds(copy), raw.nbytes / _best_seconds(lambda: matrix.matmul(x, ids))
 
 
-def probe(threads: int | None = None, folder: str | os.PathLike | None = None) -> Rates:
+def probe(threads: int | None = None, folder: str | os.PathLike | None = None,
+          on_step=_quiet) -> Rates:
+    """This machine's rates; ``on_step`` is told what is measured next."""
     kernels = CpuKernels(threads)
+    on_step("CPU products over Q8_0 bytes")
     compute = measure_cpu_compute(kernels)
-    link, device_compute = measure_cuda() if torch.cuda.is_available() else \
-        (measure_ram_copy(), compute)
+    if torch.cuda.is_available():
+        on_step("host-to-GPU copies and GPU products")
+        link, device_compute = measure_cuda()
+    else:
+        on_step("RAM copies")
+        link, device_compute = measure_ram_copy(), compute
+    on_step("cold disk reads")
     return Rates(disk_read=measure_disk_read(folder), link=link, host_compute=compute,
                  device_compute=device_compute)
 
@@ -232,9 +248,9 @@ def read_overheads(cache: Path = DEFAULT_CACHE) -> dict[tuple[str, str], Overhea
 
 
 def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
-                 refresh: bool = False) -> Rates:
+                 refresh: bool = False, on_step=_quiet) -> Rates:
     """This machine's cached rates; measured (and cached) when there are none. ``refresh``
-    measures again, replacing a damaged cache."""
+    measures again, replacing a damaged cache; ``on_step`` is told what is measured."""
     try:
         entries = _entries(cache)
     except MoeswapError:
@@ -243,7 +259,8 @@ def cached_rates(threads: int | None = None, cache: Path = DEFAULT_CACHE,
         entries = {}
     key = _key(threads)
     if refresh or key not in entries:
-        entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None))
+        entries[key] = asdict(probe(threads, cache.parent if cache.parent.exists() else None,
+                                    on_step))
         _write(cache, entries)
     return Rates(**{f.name: entries[key][f.name] for f in fields(Rates)})
 
@@ -258,13 +275,13 @@ def cost_model_rates(settings: OffloadSettings | None, threads: int | None) -> R
 
 
 def cached_overheads(threads: int | None = None, cache: Path = DEFAULT_CACHE,
-                     refresh: bool = False) -> Overheads:
+                     refresh: bool = False, on_step=_quiet) -> Overheads:
     """This machine's cached fixed costs for the planner; measured (and added to the entry,
     whose rates are measured first where absent) when there are none, or with ``refresh``."""
-    rates = cached_rates(threads, cache)
+    rates = cached_rates(threads, cache, on_step=on_step)
     entries, key = _entries(cache), _key(threads)
     if refresh or "expert_call" not in entries[key]:
-        overheads = measure_overheads(threads, cache.parent, rates.host_compute)
+        overheads = measure_overheads(threads, cache.parent, rates.host_compute, on_step)
         entries[key].update(read_seconds=[list(p) for p in overheads.read_seconds],
                             layer_step=overheads.layer_step, expert_call=overheads.expert_call)
         _write(cache, entries)

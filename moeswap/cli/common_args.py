@@ -1,0 +1,30 @@
+"""Flags most commands share, spelled as llama.cpp spells them: the model (positional, or
+``-m/--model``) and ``-t/--threads``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_argument(p: argparse.ArgumentParser, help: str, required: bool = True) -> None:
+    """``MODEL`` or ``-m MODEL``; ``resolve_model`` checks them after parsing."""
+    p.add_argument("model", nargs="?", help=help)
+    p.add_argument("-m", "--model", dest="model_option", metavar="MODEL",
+                   help="the model, as llama.cpp's -m gives it (instead of the positional)")
+    p.set_defaults(model_required=required)
+
+
+def resolve_model(args, parser: argparse.ArgumentParser) -> None:
+    """One model from the positional or -m; a required one given neither way is a usage error
+    of the command's own parser."""
+    if args.model_option is not None:
+        if args.model is not None and args.model != args.model_option:
+            parser.error(f"two models given: {args.model} and -m {args.model_option}")
+        args.model = args.model_option
+    if args.model is None and args.model_required:
+        parser.error("the model is required: give it as MODEL or -m MODEL")
+
+
+def add_threads_argument(p: argparse.ArgumentParser, default: int | None = None,
+                         help: str = "CPU threads (default: torch's)") -> None:
+    p.add_argument("-t", "--threads", type=int, default=default, help=help)
