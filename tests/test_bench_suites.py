@@ -245,3 +245,60 @@ def test_traces_suite_on_tiny_traces(tmp_path, capsys):
     assert main(["bench", "--suite", "traces", "--traces", str(missing), "-o", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"{missing}: no such folder" in err
+
+
+def test_plan_suite_measured_floor_is_what_the_store_accepts(tiny_gguf, tmp_path):
+    import platform
+
+    from moeswap.bench.scenarios import ModelFacts
+    from moeswap.bench.suites.plan import PROMPT_TOKENS, STEP_TOKENS
+    from moeswap.errors import MoeswapError
+    from moeswap.experts.build import load_options
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.memory import HostCharge
+    from moeswap.runtime import load
+
+    cache = tmp_path / "probe.json"  # this host's entry, given: the suite measures nothing
+    cache.write_text(json.dumps({f"{platform.node()} threads=1": {
+        "disk_read": 2e9, "link": 1e10, "host_compute": 2e10, "device_compute": 2e10,
+        "read_seconds": [[4096, 5e-5], [1 << 20, 1e-3]], "layer_step": 3e-4,
+        "expert_call": 8e-5}}))
+    out = tmp_path / "out"
+    code = main(["bench", "-o", str(out), "--suite", "plan", "measured", "--model",
+                 str(tiny_gguf), "--work-dir", str(tmp_path / "w"), "--probe-cache", str(cache),
+                 "-n", "4", "--repeats", "1", "--shares", "0", "1.0"])
+    report = json.loads((out / "report.json").read_text())
+    assert report["suite"] == "plan" and code == (0 if report["passed"] else 1)
+    assert str(cache) in report["rates"] and report["overheads"]["layer_step"] == 3e-4
+    floor, full = report["rows"]
+    # the plan's floor is the store's charge: at it the store holds no slot, at 100 % every one
+    assert floor["host_bytes"] == floor["plan_host_charged"] == floor["store"]["host_charged"]
+    assert floor["plan_host_slots"] == floor["store"]["host_slots"] == 0
+    facts = ModelFacts.of(str(tiny_gguf))
+    assert full["plan_host_slots"] == full["store"]["host_slots"] == \
+        facts.n_expert * facts.moe_layers
+    assert full["store"]["hit_rate"] >= floor["store"]["hit_rate"]
+    assert all(r["measured_tok_s"] > 0 and len(r["runs"]) == 1 for r in report["rows"])
+    assert [g["share"] for g in report["own_routing"]] == [0.0, 1.0]
+    assert ("PASS" if floor["passed"] else "FAIL") in (out / "report.md").read_text()
+    # a byte below the floor: the store refuses to load
+    charge = HostCharge.for_sequence(PROMPT_TOKENS + 4, STEP_TOKENS)
+    with pytest.raises(MoeswapError, match="--host-mem"):
+        load(str(tiny_gguf), threads=1, **load_options(
+            OffloadSettings(host_bytes=floor["host_bytes"] - 1), charge))
+
+
+def test_plan_suite_worked_cases(tmp_path):
+    report = suite(tmp_path / "out", "plan", "cases", "--work-dir", str(tmp_path / "w"))
+    deepseek = tmp_path / "w" / "deepseek-v2-lite-q4_k_m.header.gguf"
+    assert round(deepseek.stat().st_size / 1e9, 2) == 10.37  # the published Q4_K_M file's size
+    plans = [case["plan"] for case in report["cases"]]
+    assert [p["budget"]["device_bytes"] for p in plans] == [12e9, 6e9, 24e9, 24e9]
+    assert round(plans[0]["bytes"]["total"] / 2**30, 2) == 9.66
+    assert "--n-cpu-moe" not in plans[0]["llama_cpp"]["command"]
+    assert plans[1]["llama_cpp"]["command"][-3:] == ["--n-cpu-moe", "17", "--mlock"]
+    assert plans[2]["kv_cache"]["context_bytes_f16"] == 840 * 2**20  # 25 of 30 layers slide
+    assert "multi_gpu" not in plans[2] and plans[3]["multi_gpu"]["gpus"] == 2
+    assert "--tensor-parallel-size" in plans[3]["multi_gpu"]["vllm"]
+    assert "given: device_compute, disk_read, host_compute, link" in \
+        plans[0]["moeswap"]["rates"]["source"]

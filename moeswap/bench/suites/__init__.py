@@ -17,6 +17,8 @@ SUITES = {
     "prefetch": "prefetch off / depth 1, 2, 4 on a model read from disk; a long soak (stress)",
     "server": "`moeswap serve` under concurrent requests, batched versus one at a time",
     "kernels": "quantized matrix products: GB/s against the memory roofline, accuracy",
+    "plan": "the planner's predicted decode tokens/s against measured runs (measured); the "
+            "seeds' worked cases from real published shapes (cases)",
     "recorder": "decode ms/token with the routing recorder off, on, and on with router "
                 "probabilities",
     "trained": "the built-in trained model on held-out text: its routing profile, policies x "

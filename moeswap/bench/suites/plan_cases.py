@@ -1,39 +1,42 @@
-"""The seeds' two worked cases as plans, from GGUF headers of the real published shapes.
+"""``--suite plan cases``: the seeds' two worked cases planned from GGUF headers of the real
+published shapes (was scripts/plan_worked_cases.py).
 
-    python scripts/plan_worked_cases.py [--work-dir .bench]
-
-Writes two header-only GGUF files whose tensor data is a sparse hole (the planner reads only
-the header and tensor index), with llama.cpp's tensor names and an approximation of its Q4_K_M
-type mix (Q4_K; Q6_K for ffn_down / attn_v on llama.cpp's "more bits" layers and the output
-head; rows not a multiple of 256 fall back to Q5_0 / Q8_0 as llama.cpp does; norms, routers
-and scales F32), then prints ``moeswap plan`` for:
+Writes two header-only GGUF files into --work-dir whose tensor data is a sparse hole (the
+planner reads only the header and tensor index), with llama.cpp's tensor names and an
+approximation of its Q4_K_M type mix (Q4_K; Q6_K for ffn_down / attn_v on llama.cpp's "more
+bits" layers and the output head; rows not a multiple of 256 fall back to Q5_0 / Q8_0 as
+llama.cpp does; norms, routers and scales F32), then plans (``moeswap plan``'s figures):
 
 - DeepSeek-V2-Lite (deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers, n_embd 2048, 16 heads,
   MLA with kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128, no q_lora; 64 routed experts of
   width 1408 + 2 shared, top-6, first layer dense of width 10944; vocabulary 102400) on a 12 GB
-  GPU with 32 GB RAM, 8192 context;
+  GPU with 32 GB RAM, 8192 context, and on a 6 GB GPU;
 - Gemma-4-26B-A4B (google/gemma-4-26B-A4B text_config: 30 layers, n_embd 2816, 16 heads;
   sliding layers 8 kv heads of 256 with a 1024 window, every 6th layer global with 2 kv heads of
   512 and keys reused as values; 128 experts of width 704, top-8, a dense GeGLU FFN of 2112
-  beside them; vocabulary 262144, tied head) on a 24 GB GPU with 32 GB RAM, 32768 context.
+  beside them; vocabulary 262144, tied head) on a 24 GB GPU with 32 GB RAM, 32768 context, and
+  on 2 GPUs of 16 GB (vLLM / SGLang lines).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import subprocess
-import sys
+import shlex
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-ROOT = Path(__file__).resolve().parent.parent
+GB = 10**9
 # GB/s of the machine the seeds describe, not this one: a consumer GPU's product over quantized
-# bytes, PCIe 4.0 x16 as used, dual-channel DDR5 through the CPU kernels, an NVMe Gen4 SSD.
-ASSUMED_RATES = ["--gpu-bw", "400", "--link-bw", "25", "--ram-bw", "60", "--disk-bw", "7"]
+# bytes, PCIe 4.0 x16 as used, dual-channel DDR5 through the CPU kernels, an NVMe Gen4 SSD
+# (`moeswap plan --gpu-bw 400 --link-bw 25 --ram-bw 60 --disk-bw 7`).
+ASSUMED_RATES = {"device_compute": 400e9, "link": 25e9, "host_compute": 60e9, "disk_read": 7e9}
+# (file, device GB, host GB, context, GPUs, GB per GPU): `moeswap plan`'s --device-mem,
+# --host-mem, --ctx, --gpus, --gpu-mem
+CASES = (("deepseek", 12, 32, 8192, 0, 0), ("deepseek", 6, 32, 8192, 0, 0),
+         ("gemma", 24, 32, 32768, 0, 0), ("gemma", 24, 32, 32768, 2, 16))
 
 
 def more_bits(layer: int, n_layer: int) -> bool:
@@ -157,24 +160,70 @@ def gemma4_26b(path: Path) -> Path:
     return write_header(path, a, keys, tensors, L)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work-dir", type=Path, default=ROOT / ".bench")
-    args = parser.parse_args()
-    args.work_dir.mkdir(parents=True, exist_ok=True)
-    deepseek = deepseek_v2_lite(args.work_dir / "deepseek-v2-lite-q4_k_m.header.gguf")
-    gemma = gemma4_26b(args.work_dir / "gemma-4-26b-a4b-q4_k_m.header.gguf")
-    cases = [(deepseek, ["--device-mem", "12GB", "--host-mem", "32GB", "--ctx", "8192"]),
-             (deepseek, ["--device-mem", "6GB", "--host-mem", "32GB", "--ctx", "8192"]),
-             (gemma, ["--device-mem", "24GB", "--host-mem", "32GB", "--ctx", "32768"]),
-             (gemma, ["--device-mem", "24GB", "--host-mem", "32GB", "--ctx", "32768",
-                      "--gpus", "2", "--gpu-mem", "16GB"])]
-    for path, flags in cases:
-        flags = [*flags, *ASSUMED_RATES]
-        print(f"$ moeswap plan {path.name} {' '.join(flags)}", flush=True)
-        subprocess.run([sys.executable, "-m", "moeswap", "plan", str(path), *flags], check=True)
-    return 0
+def plan_cases(work_dir: Path) -> tuple[dict, str]:
+    """Writes the two header files and plans the four cases -> (report body, markdown)."""
+    from moeswap.planner import plan_model, report
+    from moeswap.planner.placement import Budget
+    from moeswap.planner.rates import plan_rates
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    files = {"deepseek": deepseek_v2_lite(work_dir / "deepseek-v2-lite-q4_k_m.header.gguf"),
+             "gemma": gemma4_26b(work_dir / "gemma-4-26b-a4b-q4_k_m.header.gguf")}
+    rates = plan_rates(ASSUMED_RATES)
+    docs, lines = [], []
+    for name, device, host, ctx, gpus, gpu_gb in CASES:
+        flags = f"--device-mem {device}GB --host-mem {host}GB --ctx {ctx}" + \
+            (f" --gpus {gpus} --gpu-mem {gpu_gb}GB" if gpus else "") + \
+            " --gpu-bw 400 --link-bw 25 --ram-bw 60 --disk-bw 7"
+        full = plan_model(files[name], Budget(device * GB, host * GB, ctx), rates, None, gpus,
+                          gpu_gb * GB)
+        docs.append({"flags": flags, "plan": report(full)})
+        lines += [f"### `moeswap plan {files[name].name} {flags}`", "",
+                  *plan_text(docs[-1]["plan"]), ""]
+    return {"work_dir": str(work_dir), "cases": docs}, "\n".join(lines)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def plan_text(doc: dict) -> list[str]:
+    """The figures `moeswap plan` prints, as markdown."""
+    from moeswap.planner.placement import gib
+
+    b, kv, m, llama = doc["bytes"], doc["kv_cache"], doc["moeswap"], doc["llama_cpp"]
+    rows = [
+        ("weights, total", gib(b["total"])),
+        ("shared (attention, norms, routers, shared experts, head)", gib(b["shared"])),
+        ("routed experts, all", gib(b["routed"])),
+        ("one expert of one layer", gib(b["one_expert"])),
+        ("read per token (shared + top-k experts)", gib(b["active_per_token"])),
+        ("KV cache per token (16-bit)", gib(kv["bytes_per_token_f16"])),
+        ("KV cache for the context (16-bit)", gib(kv["context_bytes_f16"])),
+        ("moeswap: RAM for shared + KV (f32) + step + staging", gib(m["host_charged_bytes"])),
+        (f"moeswap: a step's working memory (--step-tokens {doc['budget']['step_tokens']})",
+         gib(m["working_bytes"])),
+        ("moeswap: expert slots device / host",
+         f"{m['device_slots']} / {m['host_slots']} of {gib(m['slot_bytes'])}"),
+        ("moeswap: experts resident", f"{m['experts_resident']} of {m['experts_total']}"),
+        ("moeswap: experts left on disk", gib(m["experts_on_disk_bytes"])),
+        ("moeswap: expected hit rate", f"{m['hit_rate']['total']:.1%} "
+                                       f"(device {m['hit_rate']['device']:.1%})"),
+        ("moeswap: predicted decode", f"{m['decode_tokens_per_second']:.2f} tokens/s"),
+        ("moeswap: predicted prefill", f"{m['prefill_tokens_per_second']:.1f} tokens/s"),
+        ("llama.cpp: GPU / CPU weights", f"{gib(llama['gpu_bytes'])} / {gib(llama['cpu_bytes'])}"),
+        ("llama.cpp: predicted decode", f"{llama['decode_tokens_per_second']:.2f} tokens/s"),
+    ]
+    budget = doc["budget"]
+    title = (f"{doc['model']} ({doc['architecture']}): ctx {budget['context']} x "
+             f"{budget['batch']}, device {gib(budget['device_bytes'])}, host "
+             f"{gib(budget['host_bytes'])}")
+    lines = [title, "", "| | |", "|---|---:|", *(f"| {what} | {value} |" for what, value in rows), "",
+             f"hit rate: {m['hit_rate']['source']}; rates: {m['rates']['source']}", "",
+             f"- moeswap: `{shlex.join(m['command'])}`",
+             f"- llama.cpp: `{shlex.join(llama['command'])}`",
+             *(f"  - note: {note}" for note in llama["notes"]),
+             f"- Ollama: `{doc['ollama']['modelfile'].strip().replace(chr(10), '; ')}`",
+             *(f"  - note: {note}" for note in doc["ollama"]["notes"])]
+    if "multi_gpu" in doc:
+        g = doc["multi_gpu"]
+        lines += [f"- {g['gpus']} GPUs, vLLM: `{shlex.join(g['vllm'])}`",
+                  f"- {g['gpus']} GPUs, SGLang: `{shlex.join(g['sglang'])}`",
+                  *(f"  - note: {note}" for note in g["notes"])]
+    return lines
