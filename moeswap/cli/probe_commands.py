@@ -24,9 +24,9 @@ def run_probe(args) -> int:
         def on_step(step: str) -> None:
             status.update(f"measuring {step}")
 
-        rates = cached_rates(args.threads, refresh=args.refresh, on_step=on_step)
+        rates = cached_rates(args.threads, DEFAULT_CACHE, args.refresh, on_step)
         # the planner's fixed costs: cold-read latency by size, per-block and per-expert costs
-        overheads = cached_overheads(args.threads, refresh=args.refresh, on_step=on_step)
+        overheads = cached_overheads(args.threads, DEFAULT_CACHE, args.refresh, on_step)
     gpu = torch.cuda.is_available()
     table = Table(title=f"this machine ({args.threads or 'all'} threads)", show_header=False)
     table.add_column("what")
