@@ -195,7 +195,14 @@ def deepseek2() -> ModelSpec:
         spec.key("expert_gating_func"): _u32(2),
         spec.key("expert_weights_scale"): (2.5, T.FLOAT32),
         spec.key("expert_weights_norm"): (True, T.BOOL),
+        # llama.cpp reads the MLA sizes from these (q_lora_rank 0: a plain attn_q, as in Lite);
+        # heads of 24 = 16 without rope + 8 with, values of 16.
         spec.key("attention.kv_lora_rank"): _u32(16),
+        spec.key("attention.q_lora_rank"): _u32(0),
+        spec.key("attention.key_length"): _u32(24),
+        spec.key("attention.value_length"): _u32(16),
+        spec.key("rope.dimension_count"): _u32(8),
+        spec.key("attention.head_count_kv"): _u32(4),
     })
     for layer in range(3):
         p = f"blk.{layer}."
@@ -225,11 +232,24 @@ def gemma4() -> ModelSpec:
     spec = _base("gemma4", 2, 4, 2)
     spec.kv[spec.key("expert_feed_forward_length")] = _u32(F)
     spec.kv[spec.key("feed_forward_length")] = _u32(48)
+    # What llama.cpp's gemma4 loader demands: layer 0 sliding-window, layer 1 global, heads of
+    # 16 in both, no per-layer embeddings.
+    spec.kv.update({
+        spec.key("attention.sliding_window_pattern"): ([True, False], T.ARRAY, T.BOOL),
+        spec.key("attention.sliding_window"): _u32(8),
+        spec.key("attention.key_length"): _u32(16),
+        spec.key("attention.value_length"): _u32(16),
+        spec.key("attention.key_length_swa"): _u32(16),
+        spec.key("attention.value_length_swa"): _u32(16),
+        spec.key("embedding_length_per_layer_input"): _u32(0),
+    })
+    spec.add("rope_freqs.weight", (8,))
     for layer in range(2):
         p = f"blk.{layer}."
         _attention(spec, layer, qk_norm=True)
         spec.add(p + "post_attention_norm.weight", (D,))
         spec.add(p + "ffn_norm.weight", (D,))
+        spec.add(p + "post_ffw_norm.weight", (D,))
         spec.add(p + "ffn_gate.weight", (D, 48))
         spec.add(p + "ffn_up.weight", (D, 48))
         spec.add(p + "ffn_down.weight", (48, D))
