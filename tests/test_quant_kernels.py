@@ -21,6 +21,7 @@ from moeswap.errors import MoeswapError  # noqa: E402
 from moeswap.formats.gguf_file import GGUFFile  # noqa: E402
 from moeswap.quant.ggml_lib import GGML  # noqa: E402
 from moeswap.quant import SUPPORTED_TYPES, CpuKernels, quantize_rows  # noqa: E402
+from moeswap.quant.kernels import needs_importance  # noqa: E402
 from moeswap.quant.reference import (  # noqa: E402
     dequantize_matrix, reference_experts, reference_matmul)
 
@@ -36,15 +37,20 @@ def nmse(result: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def stored_bytes(values: np.ndarray, ggml_type: Q) -> np.ndarray:
-    """values: [rows, in] -> stored bytes: gguf-py's quantizer where it has one, else ggml's."""
+    """values: [rows, in] -> stored bytes: gguf-py's quantizer where it has one, else ggml's;
+    a uniform importance matrix where ggml demands one (IQ1_S, IQ2_XXS, IQ2_XS)."""
     if ggml_type in GGUF_QUANTIZABLE:
         return gguf_quantize(values, ggml_type)
-    return quantize_rows(values, ggml_type)
+    uniform = np.ones(values.shape[1], np.float32) if needs_importance(ggml_type) else None
+    return quantize_rows(values, ggml_type, uniform)
 
 
-# Byte offsets of each block's fp16 scales; every other byte of a block may be anything.
+# Byte offsets of each block's fp16 scales; every other byte of a block may be anything (the
+# IQ grids' indices cover their whole tables). IQ1_M scatters its scale over four nibbles.
 K_QUANT_SCALE_OFFSETS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
-                         Q.Q6_K: (208,)}
+                         Q.Q6_K: (208,), Q.IQ1_S: (0,), Q.IQ2_XXS: (0,), Q.IQ2_XS: (0,),
+                         Q.IQ2_S: (0,), Q.IQ3_XXS: (0,), Q.IQ3_S: (0,), Q.TQ1_0: (52,),
+                         Q.TQ2_0: (64,)}
 
 
 def random_k_blocks(rng: np.random.Generator, ggml_type: Q, rows: int, width: int) -> np.ndarray:
@@ -118,7 +124,8 @@ ACTIVATION_COST = {
     "fp16": ({Q.F16}, 2e-8, 1e-7),
     "bf16": ({Q.BF16}, 1.5e-6, 6e-6),
     "Q8_0 / Q8_1": ({Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.MXFP4}, 1.5e-5, 4e-5),
-    "Q8_K": ({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}, 4e-5, 9e-5),
+    "Q8_K": ({Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS,
+              Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.TQ1_0, Q.TQ2_0}, 4e-5, 9e-5),
 }
 
 
@@ -184,8 +191,8 @@ def test_unaligned_bytes_are_copied_not_rejected(kernels):
 
 def test_bad_weights_and_inputs_raise_instead_of_aborting(kernels):
     raw = stored_bytes(np.zeros((4, 64), dtype=np.float32), Q.Q8_0)
-    with pytest.raises(MoeswapError, match="^blk.3.ffn_up.weight: weight type IQ2_XXS has no "):
-        kernels.matrix(raw, Q.IQ2_XXS, (64, 4), name="blk.3.ffn_up.weight")
+    with pytest.raises(MoeswapError, match="^blk.3.ffn_up.weight: weight type Q8_1 has no "):
+        kernels.matrix(raw, Q.Q8_1, (64, 4), name="blk.3.ffn_up.weight")
     with pytest.raises(MoeswapError, match="weight type 99 has no CPU kernel"):
         kernels.matrix(raw, 99, (64, 4))
     with pytest.raises(MoeswapError, match="takes 272 bytes, got 204"):
@@ -247,3 +254,12 @@ def test_real_gemma3_file_holds_the_types_tested_above(gemma_file):
         "blk.0.attn_output.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight",
         "blk.0.attn_v.weight")}
     assert types == {Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0}
+
+
+def test_low_bit_grids_ask_for_an_importance_matrix_of_the_right_width():
+    values = np.random.default_rng(3).standard_normal((2, 256)).astype(np.float32)
+    with pytest.raises(MoeswapError, match="^IQ2_XXS needs an importance matrix to quantize"):
+        quantize_rows(values, Q.IQ2_XXS)
+    with pytest.raises(MoeswapError, match=r"shape \(128,\), expected \(256,\)"):
+        quantize_rows(values, Q.IQ2_XXS, np.ones(128))
+    assert quantize_rows(values, Q.IQ3_S).shape == (2, GGML_QUANT_SIZES[Q.IQ3_S][1])

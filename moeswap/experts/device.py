@@ -22,9 +22,10 @@ copies until their event is waited on). On CUDA:
   q * d to float32, which ggml never forms: an error of the same size).
 
 Types: ``DEVICE_TYPES``, the keys of ``ACTIVATION_ROUNDING``: F32, F16, Q8_0, Q4_0, Q5_0, MXFP4,
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. A model with other expert types (Q4_1 / Q5_1, whose Q8_1
-activations carry an fp16 sum the min term uses; the IQ types) keeps its experts off the device
-(the store refuses ``--device-mem`` for it).
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, and the grids IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
+(Q8_K activations, as the K-quants). A model with other expert types (Q4_1 / Q5_1, whose Q8_1
+activations carry an fp16 sum the min term uses; IQ4_NL, IQ4_XS, TQ1_0, TQ2_0) keeps its experts
+off the device (the store refuses ``--device-mem`` for it).
 
 Legend: M rows (tokens) of one expert, I input width, O output width, B blocks per row.
 """
@@ -76,11 +77,12 @@ def _round_to_f16(x: torch.Tensor) -> torch.Tensor:
 
 # How ggml's CPU rounds a product's activations for each weight type: its vec_dot_type
 # (type_traits_cpu in ggml-cpu.c): F32 none, F16 fp16, Q8_0 for Q4_0 / Q5_0 / Q8_0 / MXFP4,
-# Q8_K for the K-quants.
+# Q8_K for the K-quants and the IQ1-IQ3 grids.
 ACTIVATION_ROUNDING = {
     int(Q.F32): _unrounded, int(Q.F16): _round_to_f16,
     **{int(t): round_to_q8_0 for t in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4)},
-    **{int(t): round_to_q8_k for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)},
+    **{int(t): round_to_q8_k for t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ1_S, Q.IQ1_M,
+                                       Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S)},
 }
 DEVICE_TYPES = frozenset(ACTIVATION_ROUNDING)
 

@@ -8,7 +8,8 @@ and only turned into floats where they are small integers, so the conversions ar
 Divisions, where a format has them, would have to divide by a tensor: on CUDA, ``tensor /
 python_float`` multiplies by the reciprocal, one bit off; none of these decoders divides.
 
-Types: F32, F16, Q8_0, Q4_0, Q5_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (``DEQUANTIZERS``).
+Types: F32, F16, Q8_0, Q4_0, Q5_0, MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K here, and the IQ1-IQ3
+grids in moeswap/experts/device_iq.py (``DEQUANTIZERS`` holds them all).
 
 Legend: N blocks of a matrix (row-major, each row a whole number of blocks), G groups of one
 block's bytes that unpack alike, F fields packed in one byte, V values per group, S sub-blocks of
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from moeswap.experts.device_iq import IQ_DEQUANTIZERS
 from moeswap.models.quant_experts import VECTOR_DTYPES
 
 
@@ -152,4 +154,4 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 DEQUANTIZERS = {int(Q.Q8_0): _q8_0, int(Q.Q4_0): _q4_0, int(Q.Q5_0): _q5_0,
                 int(Q.MXFP4): _mxfp4, int(Q.Q2_K): _q2_k, int(Q.Q3_K): _q3_k,
-                int(Q.Q4_K): _q4_k, int(Q.Q5_K): _q5_k, int(Q.Q6_K): _q6_k}
+                int(Q.Q4_K): _q4_k, int(Q.Q5_K): _q5_k, int(Q.Q6_K): _q6_k, **IQ_DEQUANTIZERS}

@@ -33,7 +33,11 @@ from moeswap.quant.ggml_lib import GGML, THREADPOOL_PARAMS_BYTES, InitParams, lo
 # Weight types whose products are tested against the reference (tests/test_quant_kernels.py).
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"))
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4",
+    # The low-bit grids of the files big MoE models are published in (DeepSeek, Kimi, Qwen3
+    # 235B "UD" mixes): 1.56 to 3.44 bits a weight, codebook lookups in ggml's dot products.
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+    "TQ1_0", "TQ2_0"))
 
 # Longer inputs (prefill) are cut into pieces of this many tokens, so each weight keeps at most
 # this many prepared graphs.
@@ -294,16 +298,31 @@ def _free_runtime(ggml: GGML, backend: int, threadpool: int, buffer: int) -> Non
     ggml.ggml_backend_buffer_free(buffer)
 
 
-def quantize_rows(values: np.ndarray, ggml_type: int) -> np.ndarray:
+def needs_importance(ggml_type: int) -> bool:
+    """Whether ggml quantizes this type only with an importance matrix (IQ1_S, IQ1_M, IQ2_XXS,
+    IQ2_XS: their grids are too coarse to pick points without weighting the columns)."""
+    return bool(load_ggml().ggml_quantize_requires_imatrix(int(ggml_type)))
+
+
+def quantize_rows(values: np.ndarray, ggml_type: int,
+                  importance: np.ndarray | None = None) -> np.ndarray:
     """values: [rows, in] float -> the stored bytes [rows, row_bytes] uint8, by ggml's quantizer.
 
-    gguf-py cannot quantize the K-quants; ggml can quantize every supported type.
+    gguf-py cannot quantize the K-quants or the IQ grids; ggml can quantize every supported
+    type. ``importance`` [in]: llama.cpp's importance matrix for this weight (the mean squared
+    activation of each input column), which the quantizer weights its error by; required
+    where ``needs_importance``.
     """
     ggml, ggml_type = load_ggml(), GGMLQuantizationType(ggml_type)
-    if ggml.ggml_quantize_requires_imatrix(int(ggml_type)):
-        raise MoeswapError(f"{ggml_type.name} needs an importance matrix to quantize")
     values = np.ascontiguousarray(values, dtype=np.float32)
     rows, width = values.shape
+    if importance is None and needs_importance(ggml_type):
+        raise MoeswapError(f"{ggml_type.name} needs an importance matrix to quantize")
+    if importance is not None:
+        importance = np.ascontiguousarray(importance, dtype=np.float32)
+        if importance.shape != (width,):
+            raise MoeswapError(f"the importance matrix has shape {importance.shape}, expected "
+                               f"({width},): one number per input column")
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     if width % block_size:
         raise MoeswapError(f"{ggml_type.name} rows must be a multiple of {block_size} wide")
@@ -311,6 +330,6 @@ def quantize_rows(values: np.ndarray, ggml_type: int) -> np.ndarray:
     if ggml_type == GGMLQuantizationType.F32:  # ggml_quantize_chunk does not take F32
         out[:] = values.view(np.uint8)
     else:
-        ggml.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data,
-                                 0, rows, width, None)
+        ggml.ggml_quantize_chunk(int(ggml_type), values.ctypes.data, out.ctypes.data, 0, rows,
+                                 width, None if importance is None else importance.ctypes.data)
     return out

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType
 from moeswap.bench.timing import median_seconds
 from moeswap.bench.worker import run_call
 from moeswap.errors import MoeswapError
-from moeswap.quant import SUPPORTED_TYPES, CpuKernels, quantize_rows
+from moeswap.quant import SUPPORTED_TYPES, CpuKernels, needs_importance, quantize_rows
 from moeswap.quant.kernels import default_thread_count
 from moeswap.quant.reference import dequantize_matrix
 
@@ -57,7 +57,9 @@ def bench_type(kernels: CpuKernels, type_name: str, shape: tuple[int, int],
     height, width = shape
     ggml_type = GGMLQuantizationType[type_name]
     values = np.random.default_rng(0).standard_normal((height, width)).astype(np.float32)
-    raw = quantize_rows(values, ggml_type)  # [out, row bytes]
+    # A uniform importance matrix where ggml demands one (IQ1_S, IQ2_XXS, IQ2_XS).
+    importance = np.ones(width, np.float32) if needs_importance(ggml_type) else None
+    raw = quantize_rows(values, ggml_type, importance)  # [out, row bytes]
     matrix = kernels.matrix(raw, ggml_type, (width, height))
     dequantized64 = torch.from_numpy(dequantize_matrix(raw, ggml_type, (width, height)))
     dequantized = dequantized64.float()  # [out, in] the fp32 alternative
