@@ -91,3 +91,33 @@ def test_sandbox_forbids_mutating_messages():
 def test_syntax_error_names_the_line():
     with pytest.raises(ChatTemplateError, match="syntax error at line 2"):
         ChatTemplate("ok\n{% if %}")
+
+
+def test_constant_output_is_not_computed_while_compiling():
+    """Jinja folds a constant ``{{ ... }}`` at compile time, outside every render limit:
+    ``'x' | center(3000000000)`` took 90 s and 3 GB while a server loaded the model."""
+    from moeswap.chat_template import _environment
+
+    code = _environment(100).compile("{{ 'x' | center(30) }}", raw=True)
+    assert "filters['center']" in code and "x" * 1 + " " * 15 not in code
+    assert ChatTemplate("{{ 'x' | center(30) }}").render([]) == "x".center(30)
+
+
+@pytest.mark.parametrize("source, words", [
+    ("{{ ('a' * 3000000000) | length }}", "repeated a str 3000000000 times"),
+    ("{{ [0] * 10**9 }}", "repeated a list"),
+    ("{{ 7 ** 100000000 }}", "4096-bit"),
+    ("{{ 1 | tojson(indent=10**9) }}", "indent of 1000000000"),
+    ("{% for i in range(10**5) %}{{ 'xy' * 100 }}{% endfor %}", "output passed its limit"),
+    ("{{ range(10**6) | list }}", "MAX_RANGE"),
+])
+def test_limits_are_named(source, words):
+    from moeswap.chat_template import ChatTemplateLimit
+
+    with pytest.raises(ChatTemplateLimit, match=words):
+        ChatTemplate(source, max_output=10**6).render([])
+
+
+def test_a_template_that_cannot_compile_is_one_error():
+    with pytest.raises(ChatTemplateError, match="cannot be compiled: ValueError: Exceeds the limit"):
+        ChatTemplate("{{ " + "9" * 5000 + " }}")
