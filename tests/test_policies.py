@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-import os
 import random
 from collections import Counter, OrderedDict
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from real_traces import SWITCH
 
 from moeswap.routing.policies import (
     ARC, LFU, LFUDA, LRU, S3FIFO, AdmitAfter, Belady, LearnedReuse, Pinned, ReuseTable, SlidingWindow,
@@ -20,7 +19,6 @@ from moeswap.routing.profile import build_profile, learn_reuse_table, use_bucket
 from moeswap.routing.simulate import simulate
 from moeswap.routing.traces import RoutingTrace
 
-SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
 
 
 def replay(policy, keys):
@@ -185,12 +183,10 @@ def test_learned_table_pools_use_counts_and_decides_the_eviction():
     assert policy.resident() == {a, b}
 
 
-@pytest.mark.skipif(not (SHARED_TRACES / "switch-base-8").is_dir(),
-                    reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
 @pytest.mark.parametrize("scored, learned_on", [((0, 1, 2, 3, 4), (5, 6, 7, 8, 9)),
                                                 ((5, 6, 7, 8, 9), (0, 1, 2, 3, 4))])
 def test_learned_policy_beats_lru_above_k_on_the_other_switch_half(scored, learned_on):
-    switch = import_trace(SHARED_TRACES / "switch-base-8" / "router-trace.v2.json")
+    switch = import_trace(SWITCH)
     table = build_profile(switch.select_prompts(list(learned_on)), 0, per_layer=True).reuse
     score = switch.select_prompts(list(scored))
     learned = lambda ctx: LearnedReuse(ctx.capacity, table, ctx.k)  # noqa: E731

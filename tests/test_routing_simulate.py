@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
+from real_traces import MIXTRAL, STDLIB_DOCS, needs_mixtral
 
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
@@ -18,9 +17,6 @@ from moeswap.routing.policy_specs import simulate_grid
 from moeswap.routing.simulate import global_requests, layer_requests, simulate
 from moeswap.routing.traces import RoutingTrace
 
-SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
-needs_shared = pytest.mark.skipif(not SHARED_TRACES.is_dir(),
-                                  reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
 
 
 def two_layer_trace() -> RoutingTrace:
@@ -91,11 +87,11 @@ def test_cli_commands_end_to_end(tmp_path, capsys):
     assert main(["simulate", str(tmp_path / "missing.npz")]) == 2
 
 
-@needs_shared
+@needs_mixtral
 @pytest.mark.parametrize("scored, learned_on", [("humaneval", "gsm8k"), ("gsm8k", "humaneval")])
 def test_learned_policy_beats_lru_above_k_on_the_other_mixtral_trace(tmp_path, scored, learned_on):
-    score = import_trace(SHARED_TRACES / "mixtral-8x7b" / f"{scored}.jsonl")
-    build_profile(import_trace(SHARED_TRACES / "mixtral-8x7b" / f"{learned_on}.jsonl"), 0, True).save(tmp_path / "p.json")
+    score = import_trace(MIXTRAL / f"{scored}.jsonl")
+    build_profile(import_trace(MIXTRAL / f"{learned_on}.jsonl"), 0, True).save(tmp_path / "p.json")
     capacities = [3, 4, 5, 6]  # above k = 2
     results = {(r.policy.split(":")[0], r.capacity): r.hit_rate for r in simulate_grid(
         score, ["lru", f"learned:{tmp_path / 'p.json'}", "belady"], capacities, "per-layer")}
@@ -132,3 +128,18 @@ def test_window_is_chosen_from_the_profiled_trace_alone():
     best = max(WINDOW_CHOICES, key=hits.__getitem__)
     assert choose_window(t) == best
     assert build_profile(t, 0, per_layer=True).reuse.window == best
+
+
+@pytest.mark.parametrize("scored", [0, 1])
+def test_learned_policy_beats_lru_above_k_on_the_built_in_models_other_prompts(tmp_path, scored):
+    """The built-in model on text it never trained on (tests/data/stdlib-moe-docs): learned on
+    every other prompt, scored on the rest, between LRU and Belady at every capacity above k."""
+    trace = RoutingTrace.load(STDLIB_DOCS)
+    score = trace.select_prompts(list(range(scored, trace.n_prompts, 2)))
+    learned_on = trace.select_prompts(list(range(1 - scored, trace.n_prompts, 2)))
+    build_profile(learned_on, 0, True).save(tmp_path / "p.json")
+    capacities = [3, 4, 6, 8, 12]  # above k = 2, of 16
+    results = {(r.policy.split(":")[0], r.capacity): r.hit_rate for r in simulate_grid(
+        score, ["lru", f"learned:{tmp_path / 'p.json'}", "belady"], capacities, "per-layer")}
+    for c in capacities:
+        assert results["lru", c] < results["learned", c] < results["belady", c], c

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
+from real_traces import MIXTRAL, STDLIB_DOCS, needs_mixtral
 
 from moeswap.routing import stats
 from moeswap.routing.importers import import_trace
 from moeswap.routing.traces import RoutingTrace
 
-SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
-needs_shared = pytest.mark.skipif(not SHARED_TRACES.is_dir(),
-                                  reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
 
 
 def hand_trace() -> RoutingTrace:
@@ -105,10 +102,10 @@ def independent_reuse(path: Path) -> dict[int, tuple[float, float]]:
     return {layer: (same_first[layer] / pairs[layer], overlap[layer] / pairs[layer]) for layer in pairs}
 
 
-@needs_shared
+@needs_mixtral
 @pytest.mark.parametrize("name", ["gsm8k", "humaneval"])
 def test_mixtral_reuse_matches_independent_count_and_the_papers_pattern(name):
-    path = SHARED_TRACES / "mixtral-8x7b" / f"{name}.jsonl"
+    path = MIXTRAL / f"{name}.jsonl"
     first, any_ = stats.consecutive_reuse(import_trace(path))
     expected = independent_reuse(path)
     assert first.tolist() == pytest.approx([expected[layer][0] for layer in range(32)], abs=1e-12)
@@ -119,3 +116,20 @@ def test_mixtral_reuse_matches_independent_count_and_the_papers_pattern(name):
     middle = slice(8, 24)
     assert first[middle].mean() > random_first + 0.06 and first[middle].mean() > first[0] + 0.05
     assert any_[middle].mean() > random_any + 0.08 and any_[middle].mean() > any_[0] + 0.05
+
+
+def test_built_in_model_reuse_matches_independent_count_and_beats_random():
+    """Consecutive-token reuse on the built-in model's trace (tests/data/stdlib-moe-docs),
+    counted again here from the raw ids, prompt by prompt; every layer above random routing."""
+    trace = RoutingTrace.load(STDLIB_DOCS)
+    first, any_ = stats.consecutive_reuse(trace)
+    ids = trace.expert_ids  # [T, L, k]
+    pairs = [t for p in range(trace.n_prompts)
+             for t in range(trace.prompt_offsets[p], trace.prompt_offsets[p + 1] - 1)]
+    for layer in range(trace.n_layers):
+        same = [ids[t, layer, 0] == ids[t + 1, layer, 0] for t in pairs]
+        shared = [bool(set(ids[t, layer]) & set(ids[t + 1, layer])) for t in pairs]
+        assert first[layer] == pytest.approx(np.mean(same), abs=1e-12)
+        assert any_[layer] == pytest.approx(np.mean(shared), abs=1e-12)
+    random_first, random_any = stats.random_reuse(16, 2)
+    assert (first > random_first + 0.05).all() and (any_ > random_any + 0.1).all()

@@ -1,21 +1,18 @@
-"""Trace format, TraceBuilder and importers (tiny hand-made files; the real traces when present)."""
+"""Trace format, TraceBuilder and importers: tiny hand-made files, then the real traces
+(tests/real_traces.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
+from real_traces import MIXTRAL, STDLIB_DOCS, SWITCH, needs_mixtral
 
 from moeswap.errors import MoeswapError
 from moeswap.routing.importers import import_trace
 from moeswap.routing.traces import NO_EXPERT, RoutingTrace, TraceBuilder
 
-SHARED_TRACES = Path(os.environ.get("MOESWAP_SHARED_TRACES", Path(__file__).parents[2] / "shared" / "traces"))
-needs_shared = pytest.mark.skipif(not SHARED_TRACES.is_dir(),
-                                  reason=f"real traces not present at {SHARED_TRACES} (only in the dev workspace)")
 
 
 def small_trace() -> RoutingTrace:
@@ -125,19 +122,26 @@ def test_csv_bad_header_names_the_expected_one(tmp_path):
         import_trace(src)
 
 
-@needs_shared
+@needs_mixtral
 def test_real_mixtral_import_matches_the_readme():
-    t = import_trace(SHARED_TRACES / "mixtral-8x7b" / "humaneval.jsonl")
+    t = import_trace(MIXTRAL / "humaneval.jsonl")
     assert (t.n_layers, t.n_experts, t.k, t.n_prompts) == (32, 8, 2, 2)
     # README: 83 and 254 tokens at layer 0; a prompt is as long as its longest layer
     assert int(t.valid[:83, 0].sum()) == 83 and int(t.valid[83:, 0].sum()) == 254
     assert t.prompt_offsets.tolist() == [0, 83, 83 + 255]
 
 
-@needs_shared
 def test_real_switch_import_uses_capture_metadata():
-    t = import_trace(SHARED_TRACES / "switch-base-8" / "router-trace.v2.json")
+    t = import_trace(SWITCH)
     assert (t.model, t.n_tokens, t.k, t.n_experts) == ("google/switch-base-8", 215, 1, 8)
     assert t.layers.tolist() == [1, 3, 5, 7, 9, 11]
     assert t.n_prompts == 10 and t.prompt_names[0] == "security-01" and t.prompt_offsets[1] == 21
     assert t.valid.all()
+
+
+def test_the_built_in_models_trace_matches_its_readme():
+    t = RoutingTrace.load(STDLIB_DOCS)
+    assert (t.model, t.arch, t.n_experts, t.k, t.n_tokens, t.n_prompts) == \
+        ("stdlib-moe", "llama", 16, 2, 4599, 14)
+    assert t.layers.tolist() == list(range(6)) and t.valid.all()
+    assert t.prompt_names[0] == "README.md#0"
