@@ -133,17 +133,23 @@ def test_bad_scenario_is_one_line_error(tiny_gguf, tmp_path, capsys):
 
 
 @pytest.mark.llama_cpp
-def test_llama_cpp_beside_moeswap(tiny_gguf, tmp_path):
+def test_llama_cpp_beside_moeswap(tmp_path):
+    """On the trained built-in model (Q8_0), moeswap resident and offloaded, and llama.cpp read
+    into RAM and mapped, decode the same 8 greedy tokens."""
     pytest.importorskip("llama_cpp", reason="the llama.cpp side needs llama-cpp-python")
-    report = bench(tiny_gguf, tmp_path, "--scenarios", "conflict", "--compare", "llama.cpp")
+    import moeswap
+
+    report = bench(moeswap.DEFAULT_MODEL, tmp_path, "--scenarios", "conflict",
+                   "--compare", "llama.cpp", "--gen-tokens", "8")
     runs = {r["label"]: r for r in report["runs"]}
-    assert list(runs) == ["moeswap all resident", "moeswap lru, host 2 experts/layer",
+    assert list(runs) == ["moeswap all resident", "moeswap lru, host 4 experts/layer",
                           "llama.cpp all in RAM (no mmap)", "llama.cpp mmap (page cache)"]
     assert all(r["status"] == "ok" for r in runs.values()), [r.get("error") for r in runs.values()]
     llama = runs["llama.cpp all in RAM (no mmap)"]
     assert llama["budget_bytes"] is None and llama["hit_rate"] is None
-    # Mapped or read into RAM, llama.cpp computes the same tokens.
-    assert llama["outputs"] == runs["llama.cpp mmap (page cache)"]["outputs"]
+    assert [len(tokens) for tokens in llama["outputs"]] == [8] * len(llama["prompt_lengths"])
+    for label, run in runs.items():
+        assert run["outputs"] == llama["outputs"], label
     markdown = (tmp_path / "report.md").read_text()
     assert "none: llama.cpp takes no RAM budget" in markdown
     assert "moeswap / llama.cpp (all in RAM):" in markdown
