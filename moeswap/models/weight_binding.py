@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from gguf import GGMLQuantizationType
 
+from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.linear import QuantEmbedding, QuantLinear, TorchEmbedding, TorchLinear
 from moeswap.quant import CpuKernels
@@ -39,6 +40,15 @@ class BoundWeights:
     def tensor(self, name: str) -> torch.Tensor:
         self._report(name)
         return self.weights.tensor(name)
+
+    def vector(self, name: str, length: int) -> torch.Tensor:
+        """The tensor ``name`` as a vector [length]. Leading sizes of 1 are dropped, as llama.cpp's
+        loader accepts a {n} tensor stored [1, n] (Qwen2-MoE's ffn_gate_inp_shexp); any other
+        shape is refused here, at load, naming the tensor."""
+        shape = list(self.weights.describe(name).shape)
+        if [n for n in shape if n != 1] != [length] or shape[-1] != length:
+            raise MoeswapError(f"tensor '{name}' has shape {shape}, expected [{length}]")
+        return self.tensor(name).reshape(length)
 
     def describe(self, name: str):
         return self.weights.describe(name)
