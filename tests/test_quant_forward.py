@@ -6,14 +6,17 @@ function in float64 with plain loops. Q8_0 and Q4_0 files come from ``moeswap co
 K-quants and IQ4_XS from llama.cpp's own quantizer (``llama_model_quantize``).
 
 The engine computes quantized matrices with ggml, which rounds each input row to the type its
-dot product wants (Q8_0, Q8_1 or Q8_K; docs/KERNELS.md), as llama.cpp does: on the Q8_0 file
-moeswap's logits equal llama.cpp's bit for bit. That rounding costs NMSE 3e-5 to 5e-5 per
-product (KERNELS.md's table), which this float64 forward does not have, so the bound is on the
-logits' normalised mean squared error: 5e-4, the bound llama.cpp's test-backend-ops puts on one
-product. Measured here: Q8_0 7.6e-5, Q4_0 1.0e-4. The model is drawn with weights of std 0.02
-(as real checkpoints are initialised): at transformers' tiny-config 0.1 it is chaotic, a 3e-7
-relative change of one product's input moving later logits by 2 % (measured), so no bound
-there would say anything about the kernels.
+dot product wants (Q8_0, Q8_1 or Q8_K; docs/KERNELS.md), as llama.cpp does: on Q8_0 files
+moeswap's logits usually equal llama.cpp's bit for bit (asserted below, with its limits). That
+rounding costs NMSE 3e-5 to 5e-5 per product (KERNELS.md's table), which this float64 forward
+does not have, so the bound is on the logits' normalised mean squared error. Measured here:
+Q8_0 7.6e-5, Q4_0 1.0e-4, the K-quants and IQ4_XS 1.4e-4 to 1.7e-4; the bound, 2.5e-4, is one
+a RoPE base off by 2x fails (NMSE 6.1e-4 on Q8_0, 1.9e-3 on Q4_0). Other types are not bitwise
+against llama.cpp: on Q4_0 and Q6_K the logits part by ~1 % from some position on (a rounding
+difference flipping a later choice), with moeswap and llama.cpp equally far from this forward.
+The model is drawn with weights of std 0.02 (as real checkpoints are initialised): at
+transformers' tiny-config 0.1 it is chaotic, a 3e-7 relative change of one product's input
+moving later logits by 2 % (measured), so no bound there would say anything about the kernels.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ def check_against_naive(path) -> None:
     model = load_model(path)
     out = model.forward([PROMPT], [model.new_cache()])[0].double()
     expected = naive_mixtral_logits(path, PROMPT.tolist())
-    assert float(((out - expected) ** 2).mean() / (expected ** 2).mean()) <= 5e-4
+    assert float(((out - expected) ** 2).mean() / (expected ** 2).mean()) <= 2.5e-4
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +134,35 @@ def test_llama_cpp_quantized(mixtral_folder, tmp_path, name):
     types = {t.tensor_type.name for t in GGUFReader(path).tensors}
     assert expected_type in types
     check_against_naive(path)
+
+
+def llama_cpp_logits(path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits for every position of one batch, with an f32 KV cache as ours."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is the peer")
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=0, type_v=0,
+                          flash_attn=False, n_threads=2, verbose=False)
+    llm.eval(ids)
+    logits = np.array(llm.scores[:len(ids)], dtype=np.float32)
+    llm.close()
+    return logits
+
+
+@pytest.mark.llama_cpp
+def test_q8_0_logits_equal_llama_cpps_bit_for_bit(mixtral_folder, tmp_path):
+    """This model on PROMPT, and the trained built-in model on Python it could have seen.
+    Not a law: norms, RoPE and attention are torch's here, ggml's there, and an ulp apart they
+    usually round to the same Q8_0 input of the next product, but not always: on 24 random ids
+    (out of distribution) the built-in model's logits differ at 9 of 24 positions, by up to
+    0.025 (measured)."""
+    import llama_cpp
+
+    import moeswap
+
+    source = b"import os\nimport sys\n\ndef main(argv):\n    for name in os.listdir(argv[1]):\n"
+    vocab = llama_cpp.Llama(str(moeswap.DEFAULT_MODEL), vocab_only=True, verbose=False)
+    cases = ((convert(mixtral_folder, tmp_path / "model.q8_0.gguf", "q8_0"), PROMPT.tolist()),
+             (moeswap.DEFAULT_MODEL, vocab.tokenize(source)))
+    for path, ids in cases:
+        model = load_model(path)
+        ours = model.forward([torch.tensor(ids)], [model.new_cache()])[0].numpy()
+        assert np.array_equal(ours, llama_cpp_logits(path, ids)), path
