@@ -40,7 +40,10 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="replay a trace through cache policies; hit rate per capacity")
     p.add_argument("trace", help="a moeswap trace (.npz)")
     p.add_argument("--policy", default="lru,lfu,belady", help=f"comma-separated: {policy_specs.POLICY_HELP}")
-    p.add_argument("--capacity", default="1,2,4", help="comma-separated experts per layer, e.g. 2,4,8")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--capacity", help="comma-separated experts per layer, e.g. 2,4,8 (1,2,4)")
+    size.add_argument("--slots", help="comma-separated slots in total, the unit budgets come in: "
+                                      "one --global cache of N, or N shared out evenly by layer")
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--per-layer", dest="scope", action="store_const", const="per-layer",
                        help="one cache per layer (default)")
@@ -53,6 +56,9 @@ def register(subparsers) -> None:
     p.add_argument("trace", help="a moeswap trace (.npz)")
     p.add_argument("--budget", type=int, required=True, help="experts to pin, in total over all layers")
     p.add_argument("--per-layer", action="store_true", help="--budget counts experts per layer instead")
+    p.add_argument("--window", type=int, metavar="N",
+                   help="the reuse table's window in tokens (default: chosen by cross-validation "
+                        "over a few capacities)")
     p.add_argument("-o", "--output", required=True, help="profile .json to write")
     p.set_defaults(handler=run_profile)
 
@@ -117,8 +123,12 @@ def run_stats(args) -> int:
 def run_simulate(args) -> int:
     trace = RoutingTrace.load(args.trace)
     specs = [s.strip() for s in args.policy.split(",") if s.strip()]
-    capacities = _int_list(args.capacity, "--capacity")
-    results = list(track(policy_specs.simulate_grid(trace, specs, capacities, args.scope),
+    slots = args.slots is not None
+    capacities = (_int_list(args.slots, "--slots") if slots
+                  else _int_list(args.capacity or "1,2,4", "--capacity"))
+    for warning in simulate.capacity_warnings(trace, capacities, args.scope, slots):
+        Console(stderr=True).print(f"moeswap: warning: {warning}", markup=False)
+    results = list(track(policy_specs.simulate_grid(trace, specs, capacities, args.scope, slots),
                          total=len(specs) * len(capacities), description="simulating",
                          console=Console(stderr=True), transient=True))
     if args.json:
@@ -130,8 +140,16 @@ def run_simulate(args) -> int:
 
 def run_profile(args) -> int:
     trace = RoutingTrace.load(args.trace)
-    with Console(stderr=True).status("learning the reuse table (cross-validating its window)"):
-        result = profile.build_profile(trace, args.budget, args.per_layer, source=f"profiled from {args.trace}")
+    if args.window is not None and args.window < 1:
+        raise MoeswapError(f"--window must be at least 1 token, got {args.window}")
+    with Console(stderr=True).status("learning the reuse table") as status:
+        def on_window(window: int) -> None:
+            status.update(f"learning the reuse table: scoring a window of {window} tokens "
+                          f"(of {', '.join(map(str, profile.WINDOW_CHOICES))})")
+
+        result = profile.build_profile(trace, args.budget, args.per_layer,
+                                       source=f"profiled from {args.trace}", window=args.window,
+                                       on_window=on_window)
     result.save(args.output)
     print(f"wrote {args.output}: {result.budget} hot experts over {len(result.layers)} layers")
     return 0

@@ -120,7 +120,8 @@ CSV_FIXED_COLUMNS = ["phase", "n_tokens", "layer", "token_idx"]
 
 
 def read_routing_csv(path: Path, *, model=None, arch=None, n_experts=None) -> RoutingTrace:
-    """Rows ``phase,n_tokens,layer,token_idx,e0..e{k-1}`` in the order the model evaluated them.
+    """Rows ``phase,n_tokens,layer,token_idx,e0..e{k-1}`` in the order the model evaluated them,
+    under a header of those names (a leading ``# `` on it is accepted).
 
     One evaluation batch holds ``n_tokens`` tokens and ``token_idx`` is a token's place in
     it. A batch ends when a (layer, token_idx) repeats or phase / n_tokens change; the next
@@ -131,6 +132,8 @@ def read_routing_csv(path: Path, *, model=None, arch=None, n_experts=None) -> Ro
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = [h.strip() for h in next(reader, [])]
+        if header and header[0].startswith("#"):  # many tools write "# phase,n_tokens,..."
+            header[0] = header[0].lstrip("#").strip()
         k = len(header) - len(CSV_FIXED_COLUMNS)
         if header[:4] != CSV_FIXED_COLUMNS or k < 1 or header[4:] != [f"e{i}" for i in range(k)]:
             raise MoeswapError(f"{path}: header {header} is not phase,n_tokens,layer,token_idx,e0..e<k-1>")

@@ -384,6 +384,7 @@ class Belady(CachePolicy):
     """
 
     name = "belady"
+    may_bypass = True  # False: every miss is admitted, the classic OPT (belady-admit)
 
     def __init__(self, capacity: int, requests: Sequence[Key]):
         super().__init__(capacity)
@@ -414,7 +415,7 @@ class Belady(CachePolicy):
         if not self._slots:
             return BYPASS
         farthest = max(self._slots, key=self._slots.__getitem__)
-        if next_use >= self._slots[farthest]:
+        if self.may_bypass and next_use >= self._slots[farthest]:
             return BYPASS
         del self._slots[farthest]
         self._slots[key] = next_use

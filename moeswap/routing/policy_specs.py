@@ -16,7 +16,9 @@ from moeswap.routing.simulate import CacheContext, PolicyFactory, SimResult, sim
 from moeswap.routing.traces import RoutingTrace
 
 POLICY_HELP = (
-    "lru, lfu, lfuda, arc, s3fifo, belady (simulation only), window:N (fewest uses in the last N "
+    "lru, lfu, lfuda, arc, s3fifo, belady (simulation only: the optimum when a miss may bypass "
+    "the cache), belady-admit (simulation only: every miss admitted, the classic OPT), "
+    "window:N (fewest uses in the last N "
     "requests), admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the "
     "profile's hot set pinned, LRU for the other slots), learned:PROFILE (evicts the expert "
     "whose next use the profile's reuse table expects last)"
@@ -29,7 +31,16 @@ _PLAIN = {
     "arc": lambda ctx: p.ARC(ctx.capacity),
     "s3fifo": lambda ctx: p.S3FIFO(ctx.capacity),
     "belady": lambda ctx: p.Belady(ctx.capacity, ctx.requests),
+    "belady-admit": lambda ctx: BeladyAdmit(ctx.capacity, ctx.requests),
 }
+
+
+class BeladyAdmit(p.Belady):
+    """Belady's MIN as usually stated: every miss is admitted, evicting the resident whose next
+    request lies farthest (a few hits below ``belady``, which may let a miss bypass)."""
+
+    name = "belady-admit"
+    may_bypass = False
 
 
 def policy_factory(spec: str, layers: list[int], n_experts: int, what: str,
@@ -41,8 +52,8 @@ def policy_factory(spec: str, layers: list[int], n_experts: int, what: str,
     expert store, whose keys are (model block, expert) and which cannot see future requests.
     """
     name, _, arg = spec.partition(":")
-    if name == "belady" and not arg and live:
-        raise MoeswapError("policy 'belady' needs the future requests, which only a trace has; "
+    if name in ("belady", "belady-admit") and not arg and live:
+        raise MoeswapError(f"policy '{name}' needs the future requests, which only a trace has; "
                            "use it with `moeswap simulate`, or pick another policy")
     if name in _PLAIN and not arg:
         return _PLAIN[name]
@@ -80,8 +91,10 @@ def live_policy(spec: str, capacity: int, top_k: int, layers: list[int], n_exper
                                 held_faster=held_faster))
 
 
-def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], scope: str) -> Iterator[SimResult]:
-    """Every named policy at every capacity, one result at a time (policy-major).
+def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], scope: str,
+                  slots: bool = False) -> Iterator[SimResult]:
+    """Every named policy at every capacity (``slots``: in total), one result at a time
+    (policy-major).
 
     All specs (and their profiles) are resolved before the first replay, so a bad one fails fast.
     """
@@ -89,4 +102,4 @@ def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], 
                  for spec in specs]
     for spec, factory in factories:
         for capacity in capacities:
-            yield simulate(trace, spec, factory, capacity, scope)
+            yield simulate(trace, spec, factory, capacity, scope, slots)

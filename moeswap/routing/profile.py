@@ -24,6 +24,7 @@ from moeswap.routing.traces import RoutingTrace
 PROFILE_FORMAT = "moeswap.profile.v1"
 AGE_EDGES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 1 << 30)  # tokens; the last bucket is open
 WINDOW_CHOICES = (8, 16, 32, 64, 128)  # tokens; build_profile picks one by cross-validation
+SCORED_CAPACITIES = 6  # at most this many per-layer capacities score each window
 REUSE_WINDOW = 16  # tokens; the window of traces too short to cross-validate
 REUSE_HORIZON = 64  # tokens; later (or never) next uses count as this
 MIN_SAMPLES = 5  # a pooled cell with fewer samples falls back to its age bucket's mean
@@ -200,30 +201,45 @@ def halves(trace: RoutingTrace) -> tuple[RoutingTrace, RoutingTrace]:
     return cut.select_prompts([0]), cut.select_prompts([1])
 
 
-def choose_window(trace: RoutingTrace) -> int:
+def scored_capacities(k: int, n_experts: int) -> list[int]:
+    """The per-layer capacities a window is scored at: k+1 .. E-1 (where policies differ), at
+    most SCORED_CAPACITIES of them spread evenly, so that 256 experts cost what 8 do."""
+    low, high = k + 1, n_experts - 1
+    if high < low:
+        return []
+    n = min(SCORED_CAPACITIES, high - low + 1)
+    return sorted({round(low + i * (high - low) / max(n - 1, 1)) for i in range(n)})
+
+
+def choose_window(trace: RoutingTrace, on_window=None) -> int:
     """The reuse-table window that predicts this trace best, judged on this trace alone.
 
     Each candidate's table is learned on one half of the trace and replayed on the other,
-    both ways, through per-layer caches of k+1 .. E-1 experts (where policies differ); the
-    window with the most hits wins, the smaller one on ties.
+    both ways, through per-layer caches of ``scored_capacities``; the window with the most
+    hits wins, the smaller one on ties. ``on_window(window)`` is called as each is scored.
     """
-    capacities = range(trace.k + 1, trace.n_experts)
+    capacities = scored_capacities(trace.k, trace.n_experts)
     if trace.n_tokens < 4 or not capacities:
         return REUSE_WINDOW
     first, second = halves(trace)
 
     def hits(window: int) -> int:
+        if on_window is not None:
+            on_window(window)
         total = 0
         for learn_on, score_on in ((first, second), (second, first)):
             table = learn_reuse_table(learn_on, window)
             factory = lambda ctx: LearnedReuse(ctx.capacity, table, ctx.k, ctx.layer_of)  # noqa: E731
-            total += sum(int(simulate(score_on, "learned", factory, c, "per-layer").hits.sum()) for c in capacities)
+            total += sum(int(simulate(score_on, "learned", factory, c, "per-layer").hits.sum())
+                         for c in capacities)
         return total
 
     return max(WINDOW_CHOICES, key=hits)
 
 
-def build_profile(trace: RoutingTrace, budget: int, per_layer: bool, source: str = "") -> Profile:
+def build_profile(trace: RoutingTrace, budget: int, per_layer: bool, source: str = "",
+                  window: int | None = None, on_window=None) -> Profile:
+    """``window``: the reuse table's window as given (None: chosen by ``choose_window``)."""
     counts = popularity(trace)
     hot = hot_set(counts, budget, per_layer)
     return Profile(
@@ -235,6 +251,6 @@ def build_profile(trace: RoutingTrace, budget: int, per_layer: bool, source: str
         budget=len(hot),
         hot=hot,
         counts=counts.tolist(),
-        reuse=learn_reuse_table(trace, choose_window(trace)),
+        reuse=learn_reuse_table(trace, window or choose_window(trace, on_window)),
         source=source or trace.source,
     )

@@ -5,6 +5,9 @@ trace order; at each traced layer a token's k chosen experts are k requests, in 
 order; a policy may admit or bypass a miss. ``per-layer``: each layer has its own cache of
 ``capacity`` experts and sees only its layer's requests. ``global``: one cache of
 ``capacity x L`` slots sees every request, keyed (layer, expert), token-major then layer.
+With ``slots`` the capacity counts slots in total, the unit memory budgets come in: one global
+cache of that many, or per-layer caches sharing them out evenly (the first layers take the
+remainder).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class SimResult:
     scope: str
     hits: np.ndarray  # [L] hits per traced layer
     requests: np.ndarray  # [L] requests per traced layer
+    slots: bool = False  # capacity counts slots in total, not experts per layer
 
     @property
     def hit_rate(self) -> float:
@@ -66,24 +70,27 @@ def global_requests(trace: RoutingTrace) -> list[tuple[int, int]]:
     return list(zip(layer_index[valid].tolist(), trace.expert_ids[valid].tolist()))
 
 
-def simulate(trace: RoutingTrace, name: str, factory: PolicyFactory, capacity: int, scope: str) -> SimResult:
-    """Hit counts of one policy at one capacity (experts per layer) over the whole trace."""
+def simulate(trace: RoutingTrace, name: str, factory: PolicyFactory, capacity: int, scope: str,
+             slots: bool = False) -> SimResult:
+    """Hit counts of one policy at one capacity over the whole trace: experts per layer, or
+    with ``slots`` slots in total."""
     L = trace.n_layers
     hits, requests = np.zeros(L, dtype=np.int64), np.zeros(L, dtype=np.int64)
     if scope == "per-layer":
         for layer in range(L):
             stream = layer_requests(trace, layer)
-            hits[layer] = _replay(factory(CacheContext(capacity, stream, layer, trace.k)), stream)
+            size = capacity // L + (layer < capacity % L) if slots else capacity
+            hits[layer] = _replay(factory(CacheContext(size, stream, layer, trace.k)), stream)
             requests[layer] = len(stream)
     elif scope == "global":
         stream = global_requests(trace)
-        policy = factory(CacheContext(capacity * L, stream, None, trace.k))
+        policy = factory(CacheContext(capacity if slots else capacity * L, stream, None, trace.k))
         for key in stream:
             requests[key[0]] += 1
             hits[key[0]] += policy.access(key).hit
     else:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    return SimResult(name, capacity, scope, hits, requests)
+    return SimResult(name, capacity, scope, hits, requests, slots)
 
 
 def _replay(policy: CachePolicy, stream: list[Key]) -> int:
@@ -97,17 +104,31 @@ def render_results(results: list[SimResult], console) -> None:
 
     capacities = sorted({r.capacity for r in results})
     scope = results[0].scope if results else ""
-    table = Table(title=f"hit rate, {scope} cache (capacity = experts per layer)")
+    unit = "slots in total" if results and results[0].slots else "experts per layer"
+    table = Table(title=f"hit rate, {scope} cache (capacity = {unit})")
     table.add_column("policy")
     for c in capacities:
         table.add_column(str(c), justify="right")
     by_key = {(r.policy, r.capacity): r for r in results}
     for policy in dict.fromkeys(r.policy for r in results):
-        table.add_row(policy, *(f"{by_key[policy, c].hit_rate:.1%}" for c in capacities))
+        # four decimals of the rate: comparable with published figures without --json
+        table.add_row(policy, *(f"{by_key[policy, c].hit_rate:.2%}" for c in capacities))
     console.print(table)
 
 
 def results_json(results: list[SimResult]) -> list[dict]:
-    return [{"policy": r.policy, "capacity": r.capacity, "scope": r.scope, "hit_rate": r.hit_rate,
+    return [{"policy": r.policy, "capacity": r.capacity, "slots": r.slots, "scope": r.scope,
+             "hit_rate": r.hit_rate,
              "hits": int(r.hits.sum()), "requests": int(r.requests.sum()),
              "hits_per_layer": r.hits.tolist(), "requests_per_layer": r.requests.tolist()} for r in results]
+
+
+def capacity_warnings(trace: RoutingTrace, capacities: list[int], scope: str,
+                      slots: bool = False) -> list[str]:
+    """Capacities at which a cache holds every expert a layer has: only cold misses remain, and
+    every policy ties."""
+    every = trace.n_experts * (trace.n_layers if slots else 1)
+    unit = "slots in total" if slots else "experts per layer"
+    return [f"capacity {c} ({unit}) holds all {trace.n_experts} experts of every layer "
+            f"({scope} cache): only the first use of each misses, whatever the policy"
+            for c in capacities if c >= every]
