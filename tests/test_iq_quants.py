@@ -142,3 +142,9 @@ def test_a_split_iq2_xxs_set_gives_its_single_file_twins_results(f32_file, tmp_p
         assert main(["plan", str(path), "--host-mem", "64MiB", "-c", "256", "--json"]) == 0
         reports.append(json.loads(capsys.readouterr().out))
     assert reports[0]["bytes"] == reports[1]["bytes"]
+    texts = []
+    for path in (first, single):  # through the expert store, reading experts from the pieces
+        assert main(["run", str(path), "-p", "hello", "-n", "6", "--temp", "0", "--threads", "1",
+                     "--host-mem", "2MiB"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
