@@ -32,6 +32,10 @@ def deep_mixtral(tmp_path_factory):
     return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: runs on a CUDA GPU (skips without one)")
+
+
 def expected_skip_patterns(path: Path = EXPECTED_SKIPS) -> list[str]:
     """The test-id patterns (fnmatch) of tests allowed to skip: each line's text before ' -- '."""
     lines = (line.split(" -- ")[0].strip() for line in path.read_text().splitlines())

@@ -225,15 +225,24 @@ def test_torch_device_tier_agrees_with_the_cpu_kernels(calm_mixtral):
     assert_device_tier_agrees(calm_mixtral)
 
 
-def assert_device_tier_agrees(path) -> None:
-    """A CPU "device" tier of one expert per layer, then of every expert (--miss transfer):
-    logits within 1e-4 of the resident model's largest, every argmax equal."""
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda)")
+def test_cuda_device_tier_agrees_with_the_cpu_kernels(calm_mixtral):
+    """The real copy path on a GPU: pinned staging ring, copy stream and events, products on the
+    GPU (scripts/device_check.py measures it further)."""
+    assert_device_tier_agrees(calm_mixtral, "cuda")
+
+
+def assert_device_tier_agrees(path, backend: str = "cpu") -> None:
+    """A torch "device" tier (CPU tensors unless backend is "cuda") of one expert per layer,
+    then of every expert (--miss transfer): logits within 1e-4 of the resident model's largest,
+    every argmax equal."""
     resident = load_model(path, threads=1, expert_runner=QuantResidentExperts)
     expected = decode_logits(resident)
     _, _, layers, n_experts = plan(path)
     for device_slots in (len(layers), len(layers) * n_experts):
         model, factory = store_model(path, 1, device_slots, miss="transfer",
-                                     device_backend="cpu")
+                                     device_backend=backend)
         got = decode_logits(model)
         assert float((got - expected).abs().max() / expected.abs().max()) <= 1e-4
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
