@@ -56,7 +56,10 @@ class Prompts:
     async def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             self._check_length(len(prompt), len(prompt), "prompt")
-            return [int(i) for i in prompt]
+            vocab = self.runtime.tokenizer.vocab_size
+            if prompt and not 0 <= min(prompt) <= max(prompt) < vocab:
+                raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            return prompt
         size = len(prompt.encode())
         self._check_length(self._fewest_tokens(size), size, "prompt")
         try:

@@ -93,9 +93,6 @@ class Routes:
         body = await self._parse(request, CompletionBody)
         _check_body(body, options)
         ids = await self.state.prompts.completion_ids(body.prompt)
-        if any(not 0 <= i < runtime.tokenizer.vocab_size for i in ids):
-            raise ApiError(400, f"prompt: token ids must be in [0, {runtime.tokenizer.vocab_size})",
-                           param="prompt")
         keep = 1 if ids and ids[0] == runtime.tokenizer.bos_id else 0
         return await self._respond(body, ids, keep, request, "text_completion", "cmpl")
 
