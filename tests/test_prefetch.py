@@ -274,6 +274,7 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     gguf = GGUFFile.open(deep_mixtral)
     fixed, slot, layers, n_experts = plan(deep_mixtral)
     kernels = CpuKernels(1)
+    before = set(threading.enumerate())  # threads of this process that are not the store's
     store = ExpertStore(gguf, kernels, layers, "silu",
                         OffloadSettings(host_bytes=fixed + 3 * slot, prefetch="both",
                                      prefetch_depth=4), routers=routers_of(deep_mixtral, layers))
@@ -288,12 +289,12 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
             weights = torch.rand(1, 2, generator=generator)
             assert torch.equal(store.run(layer, x, ids, weights),
                                resident.run(layer, x, ids, weights))
-        threads.append(threading.active_count())
-    assert len(set(threads[1:])) == 1
+        threads.append(frozenset(set(threading.enumerate()) - before))
+    assert len(set(threads[1:])) == 1 and len(threads[-1]) == 1  # one worker, the same one
     assert store.lookahead.prefetch.counts.reads > 0
     assert len(store.residency.guesses.reads) <= store.lookahead.prefetch.queue_bound
     store.close()
-    assert threading.active_count() == threads[-1] - 1
+    assert not any(t.is_alive() for t in threads[-1])
 
 
 # -- the throttle: prefetch kept only where forwards with it are measured faster ---------------

@@ -51,7 +51,9 @@ def _fixed_guess_store(path, guesses_at: dict, host_slots: int = 4):
         jobs = list(store.residency.guesses.reads.values())
         submit()
         for job in jobs:
+            deadline = time.monotonic() + 60  # a lost read fails here, not at the run's ceiling
             while job.state != "done":
+                assert time.monotonic() < deadline, f"a guessed read never landed ({job.state})"
                 time.sleep(0.001)
 
     store.residency.guesses.submit = submit_and_land

@@ -92,8 +92,10 @@ def test_a_client_that_hangs_up_cancels_its_request(runtime, stream):
         request = {"model": MODEL, "prompt": "ab", "max_tokens": 60, "temperature": 0,
                    "stream": stream}
         try:
+            # The whole reply takes >= 1.8 s, so a 0.3 s read timeout always hangs up first;
+            # connecting and sending get 5 s, so a busy machine does not fail the test.
             with httpx.stream("POST", url + "/v1/completions", json=request,
-                              timeout=5 if stream else 0.3) as r:
+                              timeout=httpx.Timeout(5, read=5 if stream else 0.3)) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
         except httpx.ReadTimeout:
