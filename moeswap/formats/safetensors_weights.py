@@ -53,8 +53,7 @@ class SafetensorsWeights:
         parts = self._parts(name)
         if "mxfp4" in parts[0].ops:
             raise MoeswapError(f"{self.folder}: '{parts[0].hf_name}' holds MXFP4 experts, which "
-                               "moeswap computes from a GGUF without decoding them: run "
-                               f"'moeswap convert {self.folder} -o model.gguf' (they stay MXFP4)")
+                               "moeswap computes from their stored bytes, never as floats")
         if parts[0].expert is not None:
             return torch.stack([self._read(p) for p in parts])  # [E, out, in]
         return self._read(parts[0])

@@ -2,7 +2,8 @@
 
 In a GGUF file every matrix not stored as F32 is computed by ggml's kernels straight from the
 mapped bytes (``BoundWeights``, ``QuantResidentExperts``); F32 tensors are zero-copy views of the
-mapped file and go through torch, as do HF folders.
+mapped file and go through torch, as do HF folders, except a folder's MXFP4 experts (GPT-OSS as
+published), which ggml computes from their bytes repacked as a GGUF holds them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
 from moeswap.models.moe import DecisionRecorder, ExpertRunner
-from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
+from moeswap.models.quant_experts import ExpertLayout, FolderMxfp4Experts, QuantResidentExperts
 from moeswap.models.registry import family
 from moeswap.models.weight_binding import BoundWeights
 from moeswap.quant import CpuKernels
@@ -61,11 +62,15 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         raise MoeswapError(f"{path}: expert offload (--host-mem / --device-mem) needs a .gguf file; "
                            f"convert the folder first: moeswap convert {path} -o MODEL.gguf")
     build = family(config.arch).build
-    kernels = CpuKernels(threads) if gguf is not None else None
-    bound = BoundWeights(weights, gguf, kernels, verbose_log)
     moe_layers = config.moe_layers
+    mxfp4_folder = gguf is None and any(
+        weights.is_mxfp4(f"blk.{i}.ffn_down_exps.weight") for i in moe_layers)
+    kernels = CpuKernels(threads) if gguf is not None or mxfp4_folder else None
+    bound = BoundWeights(weights, gguf, kernels, verbose_log)
     experts: Any
-    if gguf is not None and (expert_runner is not None or _quantized_experts(gguf, moe_layers)):
+    if mxfp4_folder:
+        experts = FolderMxfp4Experts(weights, kernels, moe_layers, config.expert_act)
+    elif gguf is not None and (expert_runner is not None or _quantized_experts(gguf, moe_layers)):
         experts = (expert_runner or QuantResidentExperts)(gguf, kernels, moe_layers, config.expert_act)
         if verbose_log is not None:
             _log_expert_stacks(gguf, moe_layers, verbose_log, offloaded=expert_runner is not None)

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
@@ -170,14 +172,15 @@ class QuantResidentExperts:
         self.activation = activation
         self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
         self._stacks: dict[tuple[int, str], QuantExperts] = {}
-        self._biases: dict[tuple[int, str], torch.Tensor] = {}
+        self._vectors: dict[int, dict[str, torch.Tensor]] = {}  # layer -> part -> [X, O]
         for i, layout in self.layouts.items():
             for kind, part in layout.matrices.items():
                 self._stacks[i, kind] = kernels.experts(
                     _stack_bytes(gguf, part), part.ggml_type, (*part.ne, part.n_experts), part.name)
+            self._vectors[i] = {}
             for kind, part in layout.biases.items():
                 raw = _stack_bytes(gguf, part)
-                self._biases[i, kind] = torch.from_numpy(  # [X, O], small: decoded once
+                self._vectors[i][kind] = torch.from_numpy(  # [X, O], small: decoded once
                     np.frombuffer(raw, dtype=np.uint8).copy()).view(
                     VECTOR_DTYPES[part.ggml_type]).float().view(part.n_experts, -1)
 
@@ -189,9 +192,9 @@ class QuantResidentExperts:
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids/weights [T, K] -> [T, D]."""
-        layout, n_picks = self.layouts[layer], ids.numel()
-        vectors = {kind: self._biases[layer, kind][ids.flatten()] for kind in layout.biases}
-        if layout.fused:
+        n_picks = ids.numel()
+        vectors = {kind: v[ids.flatten()] for kind, v in self._vectors[layer].items()}
+        if (layer, "gate_up") in self._stacks:
             first = self._stacks[layer, "gate_up"].matmul(x, ids).view(n_picks, -1)  # [T*K, 2F]
             h = hidden(self.activation, first, None, vectors)  # [T*K, F]
         else:
@@ -200,6 +203,26 @@ class QuantResidentExperts:
                        self._stacks[layer, "up"].matmul(x, ids).view(n_picks, -1), vectors)
         y = self._stacks[layer, "down"].matmul(h.view(*ids.shape, -1), ids)  # [T, K, D]
         return combine(output(y.view(n_picks, -1), vectors).view(*ids.shape, -1), weights)
+
+
+class FolderMxfp4Experts(QuantResidentExperts):
+    """A HF folder's MXFP4 experts (GPT-OSS as published: ``*_blocks`` / ``*_scales``), computed
+    as a GGUF's MXFP4 stacks are: repacked once into ggml's MXFP4 bytes (as llama.cpp's converter
+    does, never decoded) and multiplied by ggml; the per-expert biases are read as floats."""
+
+    def __init__(self, weights: Any, kernels: CpuKernels, layers: list[int], activation: str):
+        self.activation = activation
+        self._stacks, self._vectors = {}, {}
+        for i in layers:
+            for kind in ("gate", "up", "down"):
+                name = f"blk.{i}.ffn_{kind}_exps.weight"
+                packed = weights.mxfp4_bytes(name).numpy()  # [X, O, I/32*17] uint8, kept by the stack
+                n_experts, out_features = packed.shape[:2]
+                in_features = weights.tensor_shape(name)[-1]
+                self._stacks[i, kind] = kernels.experts(
+                    packed, GGMLQuantizationType.MXFP4, (in_features, out_features, n_experts), name)
+            self._vectors[i] = {kind: weights.tensor(bias) for kind in ("gate", "up", "down")
+                                if weights.has(bias := f"blk.{i}.ffn_{kind}_exps.bias")}
 
 
 def _stack_bytes(gguf: GGUFFile, part: ExpertPart) -> memoryview:
