@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
@@ -83,7 +84,9 @@ def run_fix(args) -> int:
     if args.dry_run:
         for f in plan.remaining:
             console.print(f"{f.severity}: [{f.rule}] {f.message} (fix: {f.fix})")
-        verdict = "would be refused" if plan.blockers else f"would write {args.output}"
+        outputs = fix.output_paths(Path(args.output), len(plan.files)) if plan.files else []
+        more = f" and {len(outputs) - 1} more piece(s) of its set" if len(outputs) > 1 else ""
+        verdict = "would be refused" if plan.blockers else f"would write {outputs[0]}{more}"
         console.print(f"dry run: {verdict}; nothing written")
         return 2 if plan.blockers else 0
     if result.output is None:

@@ -415,7 +415,7 @@ def fix_file(src: str | os.PathLike, out: str | os.PathLike, assignments: list[s
         if not dry_run:
             _check_paths(gf.piece_paths, out)
         p = plan(gf, assignments, merge)
-        outs = output_paths(out, len(p.files))
+        outs = output_paths(out, max(len(p.files), 1))  # no files: a refused plan
         if not dry_run:
             for path in outs[1:]:
                 _check_paths(gf.piece_paths, path)
