@@ -46,6 +46,12 @@ def _configs():
                                       "original_max_position_embeddings": 64,
                                       "beta_fast": 32.0, "beta_slow": 1.0,
                                       "mscale": 0.707, "mscale_all_dim": 0.707})
+    # DeepSeek-V3's routing: sigmoid, a selection bias (drawn in build()), 8 experts in 4 groups
+    # of which 2 are kept, top-3 renormalised; V3's YaRN (mscale = mscale_all_dim = 1).
+    deepseek3 = dict({k: v for k, v in deepseek2.items() if k != "topk_method"},
+                     n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                     scoring_func="sigmoid", topk_method="noaux_tc",
+                     rope_parameters=dict(deepseek2["rope_parameters"], mscale=1.0, mscale_all_dim=1.0))
     gemma4 = dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
                   num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
                   enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -89,6 +95,7 @@ def _configs():
         "deepseek2_lite": (tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM,
                            dict(deepseek2, num_hidden_layers=26, first_k_dense_replace=24,
                                 q_lora_rank=None)),
+        "deepseek3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM, deepseek3),
         "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM,
                     dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=32,
                          num_local_experts=4, sliding_window=4,
@@ -103,7 +110,7 @@ def _configs():
 
 
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3",
-            "deepseek2", "deepseek2_lite", "gpt_oss", "gemma4", "gemma4_multimodal")
+            "deepseek2", "deepseek2_lite", "deepseek3", "gpt_oss", "gemma4", "gemma4_multimodal")
 
 
 def build(family: str, seed: int = 0, **overrides):
@@ -127,6 +134,13 @@ def build(family: str, seed: int = 0, **overrides):
             for name, b in model.named_buffers():
                 if name.endswith("layer_scalar"):
                     b.uniform_(0.5, 1.5)
+    if family == "deepseek3":
+        # The selection bias starts at zero; draw it as wide as the sigmoid scores' spread so
+        # that it changes which experts are chosen (tests/test_deepseek3.py asserts it does).
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.2)
     if family == "gpt_oss":
         # Expert biases start at zero and sinks near it; make both matter. Larger expert
         # inputs make the SwiGLU clamps (|x| > 7) bite on some elements.

@@ -59,6 +59,7 @@ HF_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
     "DeepseekV2ForCausalLM": "deepseek2",
+    "DeepseekV3ForCausalLM": "deepseek2",  # DeepSeek-V3 / R1, Kimi-K2
     "GptOssForCausalLM": "gpt-oss",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
@@ -88,6 +89,9 @@ class ModelConfig:
     n_ff_shexp: int = 0  # shared expert width; 0: none
     expert_weights_norm: bool | None = None  # None: the architecture's default
     expert_weights_scale: float = 1.0
+    gating: str = ""  # router probabilities: softmax | sigmoid | softmax_topk; "": the architecture's
+    n_expert_groups: int = 0  # group-limited expert choice (DeepSeek-V3): groups; 0 or 1: none
+    n_expert_groups_used: int = 0  # ... and how many of them a token's experts come from
     sliding_window: int = 0  # 0: full attention everywhere
     swa_layers: tuple[bool, ...] = ()  # per layer; () with a window: the architecture's pattern
     attention_scale: float = 0.0  # 0: 1/sqrt(head_dim)
@@ -110,7 +114,6 @@ class ModelConfig:
     # RoPE); a GGUF carries it as the rope_freqs tensor instead
     rope_neox: bool = field(init=False)
     expert_act: str = field(init=False)
-    gating: str = field(init=False)
 
     def __post_init__(self) -> None:
         traits = ARCH_TRAITS.get(self.arch)
@@ -118,7 +121,14 @@ class ModelConfig:
             raise MoeswapError(f"architecture '{self.arch}' is not supported "
                                f"(supported: {', '.join(ARCH_TRAITS)})")
         self.rope_neox = traits.rope_neox
-        self.expert_act, self.gating = traits.expert_act, traits.gating
+        self.expert_act, self.gating = traits.expert_act, self.gating or traits.gating
+        g = self.n_expert_groups
+        if g > 1 and not (g < self.n_expert and self.n_expert % g == 0
+                          and 0 < self.n_expert_groups_used < g):
+            # llama.cpp asserts the same (llama_model::load_hparams)
+            raise MoeswapError(f"expert groups: {self.n_expert} experts in {g} groups, "
+                               f"{self.n_expert_groups_used} used; llama.cpp requires fewer groups "
+                               "than experts, dividing them, and 0 < groups used < groups")
         if self.expert_weights_norm is None:
             self.expert_weights_norm = traits.expert_weights_norm
         if self.head_dim == 0:
@@ -244,6 +254,8 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
         expert_weights_norm=key("expert_weights_norm"),
         expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
+        n_expert_groups=int(key("expert_group_count", 0)),
+        n_expert_groups_used=int(key("expert_group_used_count", 0)),
         sliding_window=int(key("attention.sliding_window", 0)),
         swa_layers=swa_layers,
         attention_scale=float(key("attention.scale", 0.0)),

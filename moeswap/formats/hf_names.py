@@ -83,7 +83,8 @@ RULES = (
     NameRule(_L + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", "blk.{layer}.ffn_gate_exps.weight", "expert"),  # Mixtral
     NameRule(_L + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", "blk.{layer}.ffn_up_exps.weight", "expert"),  # Mixtral
     NameRule(_L + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", "blk.{layer}.ffn_down_exps.weight", "expert"),  # Mixtral
-    NameRule(_L + r"mlp\.gate\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Qwen2/3-MoE, OLMoE
+    NameRule(_L + r"mlp\.gate\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Qwen2/3-MoE, OLMoE, DeepSeek
+    NameRule(_L + r"mlp\.gate\.e_score_correction_bias", "blk.{layer}.exp_probs_b.bias"),  # DeepSeek-V3 selection bias
     NameRule(_L + r"mlp\.experts\.(\d+)\.gate_proj\.weight", "blk.{layer}.ffn_gate_exps.weight", "expert"),  # Qwen2/3-MoE, OLMoE
     NameRule(_L + r"mlp\.experts\.(\d+)\.up_proj\.weight", "blk.{layer}.ffn_up_exps.weight", "expert"),  # Qwen2/3-MoE, OLMoE
     NameRule(_L + r"mlp\.experts\.(\d+)\.down_proj\.weight", "blk.{layer}.ffn_down_exps.weight", "expert"),  # Qwen2/3-MoE, OLMoE

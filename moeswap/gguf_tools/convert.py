@@ -196,6 +196,15 @@ def _write_deepseek2(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
     if c.expert_weights_norm:
         writer.add_expert_weights_norm(True)
     writer.add_rope_dimension_count(c.n_rot)
+    # TextModel's routing keys, as the config spells them; a V3 folder without scoring_func
+    # still computes sigmoid (transformers), so say so where llama.cpp would assume softmax.
+    if hf.get("n_group") is not None:
+        writer.add_expert_group_count(hf["n_group"])
+    if hf.get("topk_group") is not None:
+        writer.add_expert_group_used_count(hf["topk_group"])
+    if hf.get("scoring_func") is not None or c.gating == "sigmoid":
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if c.gating == "sigmoid"
+                                      else gguf.ExpertGatingFuncType.SOFTMAX)
 
 
 def _write_gemma4(writer: gguf.GGUFWriter, c: ModelConfig) -> None:

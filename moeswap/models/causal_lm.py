@@ -127,10 +127,16 @@ def rope(config: ModelConfig, weights: Any) -> Rope:
 
 
 def router(config: ModelConfig, weights: Any, layer: int) -> Router:
-    bias = f"blk.{layer}.ffn_gate_inp.bias"
+    """The layer's router, with the logit bias (GPT-OSS) and selection bias (DeepSeek-V3's
+    exp_probs_b) when the file has them."""
+    def optional(name: str) -> torch.Tensor | None:
+        return weights.tensor(name) if weights.has(name) else None
+
     return Router(weights.tensor(f"blk.{layer}.ffn_gate_inp.weight"), config.n_expert_used,
                   bool(config.expert_weights_norm), config.expert_weights_scale,
-                  weights.tensor(bias) if weights.has(bias) else None, config.gating)
+                  optional(f"blk.{layer}.ffn_gate_inp.bias"), config.gating,
+                  optional(f"blk.{layer}.exp_probs_b.bias"),
+                  (config.n_expert_groups, config.n_expert_groups_used))
 
 
 def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) -> DenseFFN:

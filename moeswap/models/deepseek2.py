@@ -1,6 +1,8 @@
-"""DeepSeek-V2 / V2-Lite: MLA attention (``mla``), the first ``n_layer_dense_lead`` layers with a
-dense SwiGLU FFN, the rest MoE: softmax over the routed experts, top-k (renormalised only when
-``expert_weights_norm``), weights times ``expert_weights_scale`` (routed_scaling_factor), plus the
+"""DeepSeek-V2 / V2-Lite / V3 / R1, Kimi-K2: MLA attention (``mla``), the first
+``n_layer_dense_lead`` layers with a dense SwiGLU FFN, the rest MoE: softmax (V2) or sigmoid
+(V3) over the routed experts, top-k (V3: chosen on the scores plus the selection bias
+``exp_probs_b``, within the best expert groups; ``moe.Router``), renormalised only when
+``expert_weights_norm``, weights times ``expert_weights_scale`` (routed_scaling_factor), plus the
 shared experts fused into one ungated SwiGLU ``n_expert_shared x n_ff_exp`` wide. RoPE rotates
 adjacent pairs (llama.cpp NORM; the converter does not permute).
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig
 from moeswap.models.causal_lm import CausalLM, PreNormLayer, assemble, dense_ffn, rope, router
 from moeswap.models.mla import MLAttention, MLAWeights
@@ -24,9 +25,6 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
         attention = MLAttention(i, MLAWeights.from_weights(weights, i), config, rotary)
         if i < config.n_layer_dense_lead:
             ffn: Any = dense_ffn(weights, i)
-        elif weights.has(f"blk.{i}.exp_probs_b.bias"):
-            raise MoeswapError(f"tensor 'blk.{i}.exp_probs_b.bias' (DeepSeek-V3-style selection "
-                               "bias) is not supported; DeepSeek-V2 routing has none")
         else:
             ffn = MoEBlock(i, router(config, weights, i), experts,
                            SharedExpert(dense_ffn(weights, i, "_shexp")), recorder)

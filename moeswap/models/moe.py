@@ -1,15 +1,19 @@
 """Router and MoE block. The block never holds routed experts: it asks an expert runner.
 
 Routing per family (llama.cpp's build_moe_ffn): with gating "softmax" probabilities are the
-softmax over all experts and the top-k are chosen; with "softmax_topk" (GPT-OSS) the top-k
-logits are chosen and their softmax is the weights. Logits include the router bias when there
-is one. Weights are renormalised to sum to 1 when the family says so, then multiplied by ``scale``. Shared experts run beside the routed
+softmax over all experts and the top-k are chosen; "sigmoid" (DeepSeek-V3, Kimi-K2) takes each
+expert's sigmoid instead; with "softmax_topk" (GPT-OSS) the top-k logits are chosen and their
+softmax is the weights. Logits include the router bias when there is one. DeepSeek-V3 adds a
+selection bias (``exp_probs_b``) to the probabilities for choosing experts only, and may limit
+the choice to the best groups of experts (``select_groups``); the weights stay the unbiased
+probabilities of the chosen experts. Weights are renormalised to sum to 1 when the family says
+so, then multiplied by ``scale``. Shared experts run beside the routed
 ones on every token, gated by sigmoid(w . x) in Qwen2-MoE and ungated in Granite-MoE-Shared.
 
 The block hands each routing decision to a recorder when it was built with one
 (moeswap.routing.recorder.RoutingRecorder); recording only reads the decision.
 
-Legend: N tokens, D model width, X experts, K experts used per token.
+Legend: N tokens, D model width, X experts, K experts used per token, G expert groups.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class Router:
     normalize: bool
     scale: float = 1.0
     bias: torch.Tensor | None = None  # [X] added to the logits (GPT-OSS)
-    gating: str = "softmax"  # or "softmax_topk"
+    gating: str = "softmax"  # or "sigmoid", "softmax_topk"
+    selection_bias: torch.Tensor | None = None  # [X] added to the probabilities to choose (DeepSeek-V3)
+    groups: tuple[int, int] = (0, 0)  # (groups, groups kept): group-limited choice; 0: none
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert ids [N, K], weights [N, K])."""
@@ -59,9 +65,16 @@ class Router:
         if self.gating == "softmax_topk":
             top_logits, ids = torch.topk(logits, self.top_k, dim=-1)  # [N, K]
             weights = torch.softmax(top_logits, dim=-1)
-        else:
-            probs = torch.softmax(logits, dim=-1)  # [N, X]
+        elif self.selection_bias is None and self.groups[0] <= 1:
+            probs = self.gate(logits)  # [N, X]
             weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, K]
+        else:
+            probs = self.gate(logits)  # [N, X]
+            choice = probs if self.selection_bias is None else probs + self.selection_bias  # [N, X]
+            if self.groups[0] > 1:
+                choice = select_groups(choice, *self.groups)
+            ids = torch.topk(choice, self.top_k, dim=-1).indices  # [N, K]
+            weights = probs.gather(1, ids)  # [N, K]: unbiased
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scale != 1.0:
@@ -72,12 +85,28 @@ class Router:
         """x [N, D] -> float32 router logits [N, X] (with the bias)."""
         return F.linear(x, self.weight, self.bias).float()
 
+    def gate(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, X] -> each expert's probability [N, X]: softmax, or sigmoid per expert."""
+        return torch.sigmoid(logits) if self.gating == "sigmoid" else torch.softmax(logits, dim=-1)
+
     def report(self, recorder: DecisionRecorder, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> None:
-        """Hand this decision on x [N, D] to the recorder; the full softmax only when it asks
-        (recomputed, so it costs nothing when not asked)."""
-        probs = torch.softmax(self.logits(x), dim=-1) if recorder.router_probs else None  # [N, X]
+        """Hand this decision on x [N, D] to the recorder; the full distribution (softmax, or
+        the sigmoid scores) only when it asks (recomputed, so it costs nothing when not asked)."""
+        probs = self.gate(self.logits(x)) if recorder.router_probs else None  # [N, X]
         recorder.record(layer, ids, weights, probs)
+
+
+def select_groups(choice: torch.Tensor, n_group: int, n_used: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited choice: experts split into n_group equal groups, a group
+    scores the sum of its best two choice scores, and experts outside the n_used best groups
+    drop to -inf (llama.cpp's build_moe_ffn; transformers' n_group / topk_group).
+    choice [N, X] -> [N, X]."""
+    grouped = choice.view(choice.shape[0], n_group, -1)  # [N, G, X/G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+    kept = group_scores.topk(n_used, dim=-1).indices  # [N, n_used]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [N, G]
+    return grouped.masked_fill(~mask[:, :, None], float("-inf")).view_as(choice)  # [N, X]
 
 
 @dataclass
