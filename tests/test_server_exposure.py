@@ -109,3 +109,22 @@ def test_serve_refuses_an_empty_api_key_before_loading(tmp_path):
         "moeswap: error: --api-key is empty: that would turn the key check off; give a key, "
         "or leave the flag out to serve without one"]
     assert time.monotonic() - started < 60
+
+
+def test_heap_is_trimmed_after_every_post_refused_ones_too(runtime, monkeypatch):
+    import moeswap.server.guard as guard
+
+    trims = []
+    monkeypatch.setattr(guard, "heap_trimmer", lambda: lambda: trims.append(1))
+    with live_server(runtime, api_key="k", max_body=4096) as (url, _):
+        key = {"Authorization": "Bearer k"}
+        statuses = [
+            httpx.post(url + "/v1/completions", json=COMPLETION).status_code,  # no key
+            httpx.post(url + "/v1/completions", content=b"{}", headers=key).status_code,  # type
+            httpx.post(url + "/v1/completions", json={"prompt": "a" * 5000}, headers=key).status_code,
+            httpx.post(url + "/v1/completions", json={"model": MODEL}, headers=key).status_code,
+            httpx.post(url + "/v1/completions", json=COMPLETION, headers=key).status_code,
+        ]
+        httpx.get(url + "/health")  # a GET reads no body: nothing to trim
+    assert statuses == [401, 415, 413, 400, 200]
+    assert len(trims) == 5

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import threading
 from typing import Any
 
 from moeswap.chat_template import (ChatTemplate, ChatTemplateError, ChatTemplateFailed,
@@ -35,6 +36,8 @@ class TemplateWorker:
         self.memory = memory
         self._context = multiprocessing.get_context("spawn")
         self._lock = asyncio.Lock()
+        # a render whose request was cancelled goes on in its thread: the pipe stays its own
+        self._pipe_lock = threading.Lock()
         self._process = None
         self._conn = None
 
@@ -50,6 +53,10 @@ class TemplateWorker:
             self._process = self._conn = None
 
     def _render(self, messages: list[dict[str, Any]], variables: dict[str, Any]) -> str:
+        with self._pipe_lock:
+            return self._render_locked(messages, variables)
+
+    def _render_locked(self, messages: list[dict[str, Any]], variables: dict[str, Any]) -> str:
         if self._process is None or not self._process.is_alive():
             self._start()
         try:
