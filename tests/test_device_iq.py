@@ -123,3 +123,15 @@ def test_device_tier_agrees_with_the_cpu_kernels_on_iq_experts(calm_f32_mixtral,
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
         assert factory.stats()["total"]["transfers"] > 0
     assert product_errors and max(product_errors) <= PRODUCT_BOUND
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda)")
+@pytest.mark.parametrize("ggml_type", IQ_TYPES, ids=lambda t: t.name)
+def test_cuda_dequantizes_iq_grids_bit_for_bit(ggml_type):
+    """On CUDA the same ops give gguf-py's bits: the grids are copied to the device once."""
+    rng = np.random.default_rng(400 + int(ggml_type))
+    raw = random_iq_blocks(rng, ggml_type, 16, 4 * 256)
+    expected = torch.from_numpy(gguf_dequantize(raw, ggml_type).astype(np.float32))
+    got = dequantize(torch.from_numpy(raw.reshape(-1).copy()).cuda(), int(ggml_type), 16, 1024)
+    assert torch.equal(as_bits(got.cpu()), as_bits(expected)), ggml_type.name

@@ -7,7 +7,8 @@ tables by its ``init_grid``) and the ``ksigns`` table (a 7-bit index and its par
 (``d * (0.5 + s) * 0.25``, then ``* grid * signs``), so eager torch gives its bits exactly.
 
 The grids (at most 2048 x 8 float32) are copied to a device once and kept there (``_tables``):
-copying them per call would make the compute stream wait for the host.
+copying them per call would make the compute stream wait for the host; for the same reason the
+shift vectors are made by ``arange`` on the device.
 
 Legend: N blocks, G groups of 8 (or 4) values sharing a grid index, P grid points, S sub-blocks.
 """
@@ -82,7 +83,7 @@ def _iq2_xxs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     words = _u32(blocks, 2, 66).view(n, 8, 2)  # [N, S=8, 2]
     db = (_half(blocks, 0) * (0.5 + (words[..., 1] >> 28).float()) * 0.25).view(n, 8, 1, 1)
-    shifts = torch.tensor([0, 7, 14, 21], device=blocks.device)
+    shifts = torch.arange(0, 28, 7, device=blocks.device)
     signs = _ksigned((words[..., 1:] >> shifts) & 0x7F)  # [N, S, G=4, 8]
     index = blocks[:, 2:66].view(n, 8, 8)[..., :4]  # [N, S, G]: the first 4 bytes of each 8
     grid = _grid(Q.IQ2_XXS, blocks.device)[index.long()]  # [N, S, G, 8]
@@ -108,7 +109,7 @@ def _iq2_s(blocks: torch.Tensor) -> torch.Tensor:
     scales = torch.stack((blocks[:, 74:82] & 0x0F, blocks[:, 74:82] >> 4), -1).view(n, 16)
     db = (_half(blocks, 0) * (0.5 + scales.float()) * 0.25).view(n, 16, 1, 1)
     signs = _signs(_bits(blocks[:, 34:66])).view(n, 16, 2, 8)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
     high = ((blocks[:, 66:74].unsqueeze(-1) >> shifts) & 3).view(n, 32)  # [N, 32]
     index = blocks[:, 2:34].long() | (high.long() << 8)
     grid = _grid(Q.IQ2_S, blocks.device)[index].view(n, 16, 2, 8)
@@ -121,7 +122,7 @@ def _iq3_xxs(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     words = _u32(blocks, 66, 98)  # [N, S=8]
     db = (_half(blocks, 0) * (0.5 + (words >> 28).float()) * 0.5).view(n, 8, 1, 1)
-    shifts = torch.tensor([0, 7, 14, 21], device=blocks.device)
+    shifts = torch.arange(0, 28, 7, device=blocks.device)
     signs = _ksigned((words.unsqueeze(-1) >> shifts) & 0x7F)  # [N, S, 4, 8]
     grid = _grid(Q.IQ3_XXS, blocks.device)[blocks[:, 2:66].long()].view(n, 8, 4, 8)
     return (db * grid * signs).view(n, 256)
@@ -146,7 +147,7 @@ def _iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     qh = _u16(blocks, 34, 50)  # [N, S=8]
     dl = (_half(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).float()).view(n, 8, 1, 1)
     delta = torch.where((qh & 0x8000) == 0, 0.125, -0.125).view(n, 8, 1, 1)
-    shifts = torch.tensor([0, 3, 6, 9], device=blocks.device)
+    shifts = torch.arange(0, 12, 3, device=blocks.device)
     high = ((qh.unsqueeze(-1) >> shifts) & 7).view(n, 32)
     index = blocks[:, 2:34].long() | (high.long() << 8)
     grid = _grid(Q.IQ1_S, blocks.device)[index].view(n, 8, 4, 8)
@@ -158,10 +159,10 @@ def _iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     4 uint16 of 3-bit scales whose top nibbles together are the fp16 d."""
     n = blocks.shape[0]
     words = _u16(blocks, 48, 56)  # [N, 4]
-    shifts = torch.tensor([12, 8, 4, 0], device=blocks.device)
+    shifts = torch.arange(12, -1, -4, device=blocks.device)
     bits = (((words & 0xF000) >> shifts).sum(-1)).to(torch.int16)  # disjoint nibbles: | as +
     d = bits.view(torch.float16).float().view(n, 1)
-    scale_shifts = torch.tensor([0, 3, 6, 9], device=blocks.device)
+    scale_shifts = torch.arange(0, 12, 3, device=blocks.device)
     scales = ((words.unsqueeze(-1) >> scale_shifts) & 7).view(n, 16)
     dl = (d * (2 * scales + 1).float()).view(n, 8, 2, 1, 1)
     qh = torch.stack((blocks[:, 32:48] & 0x0F, blocks[:, 32:48] >> 4), -1).view(n, 32)
