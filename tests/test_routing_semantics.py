@@ -1,6 +1,7 @@
-"""Simulation semantics chosen explicitly (issue 26): slots in total beside experts per layer,
-Belady with and without bypass, capacities that hold a whole layer, four decimals, the
-published CSV shape, and a profile whose window search is bounded."""
+"""Simulation semantics chosen explicitly (issue 26): the order requests come in (forward
+passes recorded and imported), slots in total beside experts per layer, Belady with and
+without bypass, capacities that hold a whole layer, four decimals, the published CSV shape,
+and a profile whose window search is bounded."""
 
 from __future__ import annotations
 
@@ -23,6 +24,57 @@ def two_layer_trace() -> RoutingTrace:
 
 def hits(trace, spec, capacities, scope, slots=False) -> list[int]:
     return [int(r.hits.sum()) for r in simulate_grid(trace, [spec], capacities, scope, slots)]
+
+
+def batched_trace(forward=(0, 0)) -> RoutingTrace:
+    """Two tokens, two layers of four experts, top-2: layer 0 picks [0, 1] and [1, 2], layer 1
+    [3, 0] and [0, 3]; ``forward`` gives each token's forward pass."""
+    ids = np.array([[[0, 1], [3, 0]], [[1, 2], [0, 3]]])  # [T 2, L 2, k 2]
+    return RoutingTrace(model="hand", arch="test", layers=[0, 1], n_experts=4, k=2,
+                        prompt_offsets=[0, 2], expert_ids=ids, weights=np.full(ids.shape, 0.5),
+                        forward=np.array(forward))
+
+
+def test_the_order_of_requests_is_chosen_explicitly():
+    """One forward of both tokens, a global LRU of 2 slots. Token order: (0,0) (0,1) (1,3)
+    (1,0) (0,1) (0,2) (1,0) (1,3): every request evicts what comes next, no hit. Layer order:
+    (0,0) (0,1) (0,1) (0,2) (1,3) (1,0) (1,0) (1,3): three hits. Step order, as the store
+    counts: (0,0) (0,1) (0,2) (1,0) (1,3), each once, no hit."""
+    from moeswap.routing.simulate import global_requests, layer_requests
+
+    trace = batched_trace()
+    assert global_requests(trace, "layer")[:4] == [(0, 0), (0, 1), (0, 1), (0, 2)]
+    assert global_requests(trace, "step") == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 3)]
+    assert layer_requests(trace, 0, "token") == layer_requests(trace, 0, "layer") == [0, 1, 1, 2]
+    found = {order: [(int(r.hits.sum()), int(r.requests.sum()))
+                     for r in simulate_grid(trace, ["lru"], [2], "global", True, order)]
+             for order in ("token", "layer", "step")}
+    assert found == {"token": [(0, 8)], "layer": [(3, 8)], "step": [(0, 5)]}
+    # one token per forward: the same requests in every order, a layer's in ascending id in step
+    apart = batched_trace(forward=(0, 1))
+    assert global_requests(apart, "step") == [(0, 0), (0, 1), (1, 0), (1, 3),
+                                              (0, 1), (0, 2), (1, 0), (1, 3)]
+    assert global_requests(apart, "layer") == global_requests(apart, "token")
+
+
+def test_forward_passes_are_recorded_kept_and_implied_for_old_traces(tmp_path):
+    import torch
+
+    from moeswap.routing.recorder import RoutingRecorder
+
+    recorder, cache_a, cache_b = RoutingRecorder(), object(), object()
+    picks = torch.tensor([[0, 1], [1, 2], [2, 3]])  # [N 3, K 2]
+    recorder.begin_forward([(0, 2), (2, 3)], [0, 0], [cache_a, cache_b])  # two prompts at once
+    recorder.record(0, picks, torch.full((3, 2), 0.5), None)
+    recorder.begin_forward([(0, 1)], [2], [cache_a])  # then a decode step of the first
+    recorder.record(0, picks[:1], torch.full((1, 2), 0.5), None)
+    trace = recorder.trace(model="m", arch="a", layers=[0], n_experts=4, k=2)
+    assert trace.forward.tolist() == [0, 0, 1, 0]  # prompt a (2 + 1 decode), then prompt b
+    trace.save(tmp_path / "t.npz")
+    assert RoutingTrace.load(tmp_path / "t.npz").forward.tolist() == [0, 0, 1, 0]
+    old = RoutingTrace.load(tmp_path / "t.npz")
+    old.forward = None  # a trace from before forward passes were recorded: implied by phase
+    assert old.phase.tolist() == [0, 0, 1, 0] and old.forwards().tolist() == [0, 0, 1, 2]
 
 
 def test_slots_count_the_whole_budget():
@@ -83,6 +135,8 @@ def test_a_published_shape_csv_imports_with_its_commented_header(tmp_path):
     assert int(trace.valid.sum()) * 8 == n_rows * 8 == 26 * n_tokens * 8
     # a prefill batch after a prefill batch continues the prompt: one prompt in all
     assert trace.n_prompts == 1
+    # each batch is one forward pass: 233 and 150 prefill tokens, then 5 decode steps
+    assert np.bincount(trace.forward).tolist() == [233, 150, 1, 1, 1, 1, 1]
 
 
 def test_profile_scores_a_bounded_number_of_capacities(monkeypatch):

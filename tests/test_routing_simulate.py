@@ -72,7 +72,7 @@ def test_cli_commands_end_to_end(tmp_path, capsys):
     assert main(["profile", str(trace), "--budget", "1", "--per-layer", "-o", str(tmp_path / "p.json")]) == 0
     capsys.readouterr()
     assert main(["simulate", str(trace), "--policy", f"lru,belady,learned:{tmp_path / 'p.json'}",
-                 "--capacity", "1,3", "--global", "--json"]) == 0
+                 "--capacity", "1,3", "--global", "--order", "token", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert [(r["policy"].split(":")[0], r["capacity"], r["scope"]) for r in results] == [
         ("lru", 1, "global"), ("lru", 3, "global"), ("belady", 1, "global"), ("belady", 3, "global"),

@@ -49,6 +49,12 @@ def register(subparsers) -> None:
                        help="one cache per layer (default)")
     scope.add_argument("--global", dest="scope", action="store_const", const="global",
                        help="one cache of capacity x layers shared by all layers")
+    p.add_argument("--order", choices=simulate.ORDERS, default="step",
+                   help="requests as the engine makes them: each forward pass layer by layer, "
+                        "one per distinct expert a layer's tokens picked (step, the default); "
+                        "the same, one per pick (layer); or token by token, one per pick "
+                        "(token). On decode-only traces they differ only in the order of a "
+                        "token's picks")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(handler=run_simulate, scope="per-layer")
 
@@ -128,7 +134,8 @@ def run_simulate(args) -> int:
                   else _int_list(args.capacity or "1,2,4", "--capacity"))
     for warning in simulate.capacity_warnings(trace, capacities, args.scope, slots):
         Console(stderr=True).print(f"moeswap: warning: {warning}", markup=False)
-    results = list(track(policy_specs.simulate_grid(trace, specs, capacities, args.scope, slots),
+    results = list(track(policy_specs.simulate_grid(trace, specs, capacities, args.scope, slots,
+                                                    args.order),
                          total=len(specs) * len(capacities), description="simulating",
                          console=Console(stderr=True), transient=True))
     if args.json:

@@ -153,7 +153,7 @@ def read_routing_csv(path: Path, *, model=None, arch=None, n_experts=None) -> Ro
         n_experts=_expert_count(path, max(max(r[4]) for r in records), n_experts), k=k,
         source=f"imported from {path.name}",
     )
-    batch_start, batch_key, seen, prompt_phase = 0, None, set(), None
+    batch_start, batch_key, seen, prompt_phase, batch = 0, None, set(), None, -1
     for phase, n_tok, layer, tok, experts in records:
         if not 0 <= tok < n_tok:
             raise MoeswapError(f"{path}: token_idx {tok} outside its batch of n_tokens {n_tok}")
@@ -163,7 +163,9 @@ def read_routing_csv(path: Path, *, model=None, arch=None, n_experts=None) -> Ro
             if prompt_phase is None or (phase == "prefill" and prompt_phase == "decode"):
                 builder.begin_prompt()
                 batch_start = 0
-            batch_key, seen, prompt_phase = (phase, n_tok), set(), phase
+            batch_key, seen, prompt_phase, batch = (phase, n_tok), set(), phase, batch + 1
         seen.add((layer, tok))
-        builder.append(layer, batch_start + tok, [experts], [[np.nan] * k], phase=phase)
+        # each batch was one forward pass: kept, so a replay can request as a batched engine does
+        builder.append(layer, batch_start + tok, [experts], [[np.nan] * k], phase=phase,
+                       forward=batch)
     return builder.build()

@@ -92,9 +92,9 @@ def live_policy(spec: str, capacity: int, top_k: int, layers: list[int], n_exper
 
 
 def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], scope: str,
-                  slots: bool = False) -> Iterator[SimResult]:
-    """Every named policy at every capacity (``slots``: in total), one result at a time
-    (policy-major).
+                  slots: bool = False, order: str = "token") -> Iterator[SimResult]:
+    """Every named policy at every capacity (``slots``: in total), requests in ``order``, one
+    result at a time (policy-major).
 
     All specs (and their profiles) are resolved before the first replay, so a bad one fails fast.
     """
@@ -102,4 +102,4 @@ def simulate_grid(trace: RoutingTrace, specs: list[str], capacities: list[int], 
                  for spec in specs]
     for spec, factory in factories:
         for capacity in capacities:
-            yield simulate(trace, spec, factory, capacity, scope, slots)
+            yield simulate(trace, spec, factory, capacity, scope, slots, order)

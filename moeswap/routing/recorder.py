@@ -33,6 +33,7 @@ class _Span:
     rows: tuple[int, int]  # [start, end) of the batch
     position: int  # position of the first of these tokens within the sequence
     phase: str  # "prefill" or "decode"
+    forward: int  # the forward pass, numbered from 0 since the last clear()
 
 
 class RoutingRecorder:
@@ -46,6 +47,7 @@ class RoutingRecorder:
     def clear(self) -> None:
         """Forget everything recorded so far."""
         self._n_sequences = 0
+        self._n_forwards = 0
         self._sequence_of: dict[int, int] = {}  # id(cache) -> sequence, for continuing sequences
         self._layout: list[_Span] = []  # the current forward's sequences
         self._records: list[tuple[list[_Span], int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
@@ -63,8 +65,10 @@ class RoutingRecorder:
                 self._n_sequences += 1
                 self._sequence_of[id(cache)] = sequence
             decode = start > 0 and rows[1] - rows[0] == 1
-            layout.append(_Span(sequence, (rows[0], rows[1]), start, "decode" if decode else "prefill"))
+            layout.append(_Span(sequence, (rows[0], rows[1]), start, "decode" if decode else "prefill",
+                                self._n_forwards))
         self._layout = layout
+        self._n_forwards += 1
 
     def record(self, layer: int, expert_ids: torch.Tensor, weights: torch.Tensor,
                router_probs: torch.Tensor | None) -> None:
@@ -86,10 +90,11 @@ class RoutingRecorder:
                 a, b = span.rows
                 per_sequence[span.sequence].append(
                     (layer, span.position, ids_np[a:b], weights_np[a:b],
-                     None if probs_np is None else probs_np[a:b], span.phase))
+                     None if probs_np is None else probs_np[a:b], span.phase, span.forward))
         builder = TraceBuilder(model=model, arch=arch, layers=layers, n_experts=n_experts, k=k, source=source)
         for sequence, chunks in enumerate(per_sequence):
             builder.begin_prompt(prompt_names[sequence] if prompt_names else "")
-            for layer, position, ids, weights, probs, phase in chunks:
-                builder.append(layer, position, ids, weights, router_probs=probs, phase=phase)
+            for layer, position, ids, weights, probs, phase, forward in chunks:
+                builder.append(layer, position, ids, weights, router_probs=probs, phase=phase,
+                               forward=forward)
         return builder.build()

@@ -47,6 +47,9 @@ class RoutingTrace:
     router_probs: np.ndarray | None = None  # [T, L, E] float16, the full router distribution
     phase: np.ndarray | None = None  # [T] uint8, index into PHASES
     prompt_names: list[str] = field(default_factory=list)
+    # [T] int32: the forward pass each token went through (tokens of one pass share it); None:
+    # implied by ``phase`` (``forwards``)
+    forward: np.ndarray | None = None
     source: str = ""  # provenance, free text
 
     def __post_init__(self) -> None:
@@ -54,6 +57,8 @@ class RoutingTrace:
         self.prompt_offsets = np.asarray(self.prompt_offsets, dtype=np.int64)
         self.expert_ids = np.asarray(self.expert_ids, dtype=np.int16)
         self.weights = np.asarray(self.weights, dtype=np.float32)
+        if self.forward is not None:
+            self.forward = np.asarray(self.forward, dtype=np.int32)
         if not self.prompt_names:
             self.prompt_names = [f"prompt-{p}" for p in range(self.n_prompts)]
         problem = self._first_problem()
@@ -77,6 +82,19 @@ class RoutingTrace:
         """[T, L] bool: the (token, layer) pairs that were recorded."""
         return self.expert_ids[:, :, 0] != NO_EXPERT
 
+    def forwards(self) -> np.ndarray:
+        """[T] the forward pass of each token: as recorded; else one pass per decode token and
+        one per prompt's run of prefill tokens (one per token where phases are unknown)."""
+        if self.forward is not None:
+            return self.forward
+        if self.phase is None:
+            return np.arange(self.n_tokens, dtype=np.int32)
+        prefill = self.phase == PHASES.index("prefill")  # [T]
+        starts = np.ones(self.n_tokens, dtype=bool)
+        starts[1:] = ~(prefill[1:] & prefill[:-1])
+        starts[self.prompt_offsets[:-1][self.prompt_offsets[:-1] < self.n_tokens]] = True
+        return (np.cumsum(starts) - 1).astype(np.int32)
+
     def prompt_of_token(self) -> np.ndarray:
         """[T] int: the prompt each token belongs to."""
         return np.repeat(np.arange(self.n_prompts), np.diff(self.prompt_offsets))
@@ -99,6 +117,7 @@ class RoutingTrace:
             phase=None if self.phase is None else self.phase[rows],
             prompt_names=[self.prompt_names[p] for p in prompts],
             source=self.source,
+            forward=None if self.forward is None else self.forward[rows],
         )
 
     def _first_problem(self) -> str:
@@ -121,6 +140,8 @@ class RoutingTrace:
             return f"router_probs shape {self.router_probs.shape} is not (T, L, E) = {(T, L, self.n_experts)}"
         if self.phase is not None and self.phase.shape != (T,):
             return f"phase shape {self.phase.shape} is not (T,) = ({T},)"
+        if self.forward is not None and self.forward.shape != (T,):
+            return f"forward shape {self.forward.shape} is not (T,) = ({T},)"
         return ""
 
     def save(self, path: str | Path) -> None:
@@ -144,6 +165,8 @@ class RoutingTrace:
             arrays["router_probs"] = self.router_probs.astype(np.float16)
         if self.phase is not None:
             arrays["phase"] = self.phase.astype(np.uint8)
+        if self.forward is not None:
+            arrays["forward"] = self.forward
         with write_or_raise(path, "the trace"):
             with open(path, "wb") as f:  # a file object keeps numpy from appending ".npz"
                 np.savez_compressed(f, **arrays)
@@ -179,6 +202,7 @@ class RoutingTrace:
                 phase=arrays.get("phase"),
                 prompt_names=list(meta["prompt_names"]),
                 source=meta.get("source", ""),
+                forward=arrays.get("forward"),
             )
         except (KeyError, ValueError) as e:
             raise MoeswapError(f"{path}: damaged trace: {e}; re-record or re-import it") from None
@@ -209,8 +233,10 @@ class TraceBuilder:
     def begin_prompt(self, name: str = "") -> None:
         self._prompts.append((name or f"prompt-{len(self._prompts)}", []))
 
-    def append(self, layer: int, token_idx: int, expert_ids, weights, router_probs=None, phase: str | None = None):
-        """Record ``n`` consecutive tokens at one layer: expert_ids and weights [n, k], router_probs [n, E].
+    def append(self, layer: int, token_idx: int, expert_ids, weights, router_probs=None,
+               phase: str | None = None, forward: int | None = None):
+        """Record ``n`` consecutive tokens at one layer: expert_ids and weights [n, k], router_probs [n, E];
+        ``forward``: the forward pass they went through (numbered across the whole trace).
 
         The arrays (numpy, or CPU torch tensors) are kept as handed over and converted in
         ``build``, so recording costs about a microsecond; do not modify them afterwards.
@@ -222,27 +248,31 @@ class TraceBuilder:
             raise ValueError(f"layer {layer} is not one of the traced layers {self.layers}")
         if phase is not None and phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-        self._prompts[-1][1].append((column, token_idx, expert_ids, weights, router_probs, phase))
+        self._prompts[-1][1].append((column, token_idx, expert_ids, weights, router_probs, phase,
+                                     forward))
 
     def _converted(self, chunk) -> tuple:
-        column, token_idx, expert_ids, weights, router_probs, phase = chunk
+        column, token_idx, expert_ids, weights, router_probs, phase, forward = chunk
         ids = np.asarray(expert_ids, dtype=np.int16).reshape(-1, self.k)  # [n, k]
         w = np.asarray(weights, dtype=np.float32).reshape(ids.shape)  # [n, k]
         probs = None if router_probs is None else np.asarray(router_probs, dtype=np.float16).reshape(len(ids), -1)
-        return column, int(token_idx), ids, w, probs, None if phase is None else PHASES.index(phase)
+        return (column, int(token_idx), ids, w, probs, None if phase is None else PHASES.index(phase),
+                forward)
 
     def build(self) -> RoutingTrace:
         prompts = [[self._converted(chunk) for chunk in chunks] for _, chunks in self._prompts]
         lengths = [max((t + len(ids) for _, t, ids, *_ in chunks), default=0) for chunks in prompts]
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         T, L, k, E = int(offsets[-1]), len(self.layers), self.k, self.n_experts
-        chunks = [(offsets[p] + t, c, ids, w, pr, ph) for p, cs in enumerate(prompts) for c, t, ids, w, pr, ph in cs]
+        chunks = [(offsets[p] + t, c, ids, w, pr, ph, f) for p, cs in enumerate(prompts)
+                  for c, t, ids, w, pr, ph, f in cs]
         expert_ids = np.full((T, L, k), NO_EXPERT, dtype=np.int16)
         weights = np.full((T, L, k), np.nan, dtype=np.float32)
-        has_probs = any(pr is not None for *_, pr, _ in chunks)
+        has_probs = any(pr is not None for *_, pr, _, _ in chunks)
         probs = np.full((T, L, E), np.nan, dtype=np.float16) if has_probs else None
-        phase = np.zeros(T, dtype=np.uint8) if any(ph is not None for *_, ph in chunks) else None
-        for start, column, ids, w, pr, ph in chunks:
+        phase = np.zeros(T, dtype=np.uint8) if any(ph is not None for *_, ph, _ in chunks) else None
+        forward = np.zeros(T, dtype=np.int32) if any(f is not None for *_, f in chunks) else None
+        for start, column, ids, w, pr, ph, f in chunks:
             rows = slice(start, start + len(ids))
             expert_ids[rows, column] = ids
             weights[rows, column] = w
@@ -250,6 +280,8 @@ class TraceBuilder:
                 probs[rows, column] = pr
             if ph is not None:
                 phase[rows] = ph
+            if f is not None:
+                forward[rows] = f
         return RoutingTrace(
             model=self.model,
             arch=self.arch,
@@ -263,6 +295,7 @@ class TraceBuilder:
             phase=phase,
             prompt_names=[name for name, _ in self._prompts],
             source=self.source,
+            forward=forward,
         )
 
 
