@@ -99,7 +99,7 @@ def test_constant_output_is_not_computed_while_compiling():
     from moeswap.chat_template import _environment
 
     code = _environment(100).compile("{{ 'x' | center(30) }}", raw=True)
-    assert "filters['center']" in code and "x" * 1 + " " * 15 not in code
+    assert "filters['center']" in code and repr("x".center(30)) not in code
     assert ChatTemplate("{{ 'x' | center(30) }}").render([]) == "x".center(30)
 
 

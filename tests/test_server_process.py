@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_server import MODEL, TEMPLATE, write_model
+from test_server import MODEL, write_model
 from test_server_templates import HOSTILE, chat
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")

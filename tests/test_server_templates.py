@@ -66,7 +66,7 @@ def hostile(tmp_path_factory):
 
 
 def test_every_template_failure_is_a_json_error_and_the_server_goes_on(hostile):
-    with live_server(hostile) as (url, app):
+    with live_server(hostile) as (url, _):
         for name, (status, code, words) in EXPECTED.items():
             r = httpx.post(url + "/v1/chat/completions", json=chat(name), timeout=60)
             assert r.status_code == status, (name, r.text)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 import weakref
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -99,7 +98,9 @@ class Routes:
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatBody)
         _check_body(body, self.state.options)
-        ids, keep = await self.state.prompts.chat_ids([m.as_template_input() for m in body.messages])
+        prompts = self.state.prompts
+        messages = await prompts.off_loop(lambda: [m.as_template_input() for m in body.messages])
+        ids, keep = await prompts.chat_ids(messages)
         return await self._respond(body, ids, keep, request, "chat.completion", "chatcmpl")
 
     async def _parse(self, request: Request, schema: type[SamplingBody]) -> SamplingBody:
