@@ -29,6 +29,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as Q, GGUFReader
 
 import tiny_models
@@ -122,6 +123,31 @@ def test_quantized_by_llama_cpp_matches_the_naive_forward_and_llama_cpp(f32_file
                                           ctypes.byref(params)) == 0
     assert expected_type in types_in(path)
     check_file(path, f"{name} quantized by llama.cpp")
+
+
+# An "UD"-style mix, as the low-bit DeepSeek / Kimi files are built: gate and up experts in
+# IQ1_S, down experts in IQ2_XXS, attention in Q4_K.
+UD_MIX = {"ffn_gate_exps": Q.IQ1_S, "ffn_up_exps": Q.IQ1_S, "ffn_down_exps": Q.IQ2_XXS,
+          "attn_": Q.Q4_K}
+
+
+def ud_mix(name: str, rows: np.ndarray):
+    qtype = next((t for part, t in UD_MIX.items() if f".{part}" in name), None)
+    return None if qtype is None else quantized_here(qtype)(name, rows)
+
+
+def test_a_ud_style_mix_runs_exactly_through_the_expert_store(f32_file, tmp_path):
+    from test_expert_store import decode_logits, store_model
+
+    from moeswap.models.quant_experts import QuantResidentExperts
+
+    path = rewrite(f32_file, tmp_path / "ud.gguf", restore=ud_mix)
+    assert {"IQ1_S", "IQ2_XXS", "Q4_K"} <= types_in(path)
+    check_file(path, "UD-style mix")
+    expected = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
+    model, factory = store_model(path, 2)  # two host slots for 8 experts
+    assert torch.equal(decode_logits(model), expected)
+    assert factory.stats()["total"]["disk_misses"] > 0
 
 
 def test_a_split_iq2_xxs_set_gives_its_single_file_twins_results(f32_file, tmp_path, capsys):
