@@ -11,6 +11,11 @@ import os
 import tempfile
 from pathlib import Path
 
+# The reference converter where scripts/test.sh keeps it, for runs started without that script.
+_REFERENCE = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moeswap"
+              / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py")
+if _REFERENCE.is_file():
+    os.environ.setdefault("MOESWAP_LLAMA_CPP_CONVERT", str(_REFERENCE))
 # Before moeswap is imported: the tokenizer cache and probe.json (which `run --plan auto` reads)
 # go to a folder of this run's own, never to ~/.cache/moeswap.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="moeswap-tests-cache-")
