@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Sequence
 
 import tokenizers
-from tokenizers import decoders, normalizers, processors
+from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from moeswap.errors import MoeswapError
+from moeswap.formats.bpe_pretokenizers import SPLITS, byte_level_pre_tokenizer
 from moeswap.formats.gguf_file import GGUFFile
 
 # Bump when the conversion below changes, so stale cache entries are not reused.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 
 # llama.cpp marks these token texts as end-of-generation, whatever the metadata says.
 EOG_TOKEN_TEXTS = frozenset({
@@ -120,13 +121,16 @@ class Tokenizer:
         characters, not the token (llama-server's rule for message content)."""
         return self._special_texts.mark(content)
 
-    def encode_rendered(self, text: str, *, add_special: bool = True) -> list[int]:
+    def encode_rendered(self, text: str, *, add_special: bool = True,
+                        drop: tuple[int, int] | None = None) -> list[int]:
         """Token ids of a chat template's output whose message contents went through
         ``protect``: control-token text the template wrote becomes the token, the contents'
-        stays text. Without protected contents this equals ``encode(text)``."""
+        stays text. Without protected contents this equals ``encode(text)``. ``drop``: the
+        characters [start, end) left out, the text on each side tokenized alone."""
         ids = [self.bos_id] if add_special and self.specials.add_bos and self.bos_id is not None \
             else []
-        for piece, token_id in self._special_texts.split(text):
+        parts = [text] if drop is None else [text[:drop[0]], text[drop[1]:]]
+        for piece, token_id in (p for part in parts for p in self._special_texts.split(part)):
             if piece:
                 ids += self.encode(piece, add_special=False, parse_special=False)
             if token_id is not None:
@@ -257,11 +261,11 @@ def default_cache_dir() -> Path:
 
 def tokenizer_from_gguf(gguf: GGUFFile, *, cache_dir: str | os.PathLike | None = None) -> Tokenizer:
     model = gguf.get("tokenizer.ggml.model")
-    if model not in ("llama", "gpt2"):
+    if model not in ("llama", "gpt2", "gemma4"):
         raise MoeswapError(
             f"{gguf.path}: tokenizer.ggml.model is {model!r}; moeswap reads 'llama' "
-            "(SentencePiece) and 'gpt2' (byte-level BPE) vocabularies. Convert the model with "
-            "a tokenizer of one of those kinds, or load its Hugging Face folder instead.")
+            "(SentencePiece), 'gpt2' (byte-level BPE) and 'gemma4' vocabularies. Convert the "
+            "model with a tokenizer of one of those kinds, or load its Hugging Face folder instead.")
     if gguf.get("tokenizer.ggml.tokens") is None:
         raise MoeswapError(f"{gguf.path}: no tokenizer.ggml.tokens key; the file has no "
                            "vocabulary. Re-convert it with llama.cpp's convert_hf_to_gguf.py.")
@@ -298,7 +302,8 @@ def gguf_special_tokens(gguf: GGUFFile, backend: tokenizers.Tokenizer) -> Specia
     bos_id = token_id("bos_token_id", 1 if spm else None)
     eos_id = token_id("eos_token_id", 2 if spm else None)
     default_add_bos = spm or gguf.get("tokenizer.ggml.pre") in BPE_PRE_TYPES_WITH_BOS
-    add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", default_add_bos))
+    # llama.cpp turns add_bos on for gemma4 whatever the file says (its PR 21500)
+    add_bos = bool(gguf.get("tokenizer.ggml.add_bos_token", default_add_bos)) or model == "gemma4"
     add_eos = bool(gguf.get("tokenizer.ggml.add_eos_token", False))
 
     stop_ids = {i for key in EOG_ID_KEYS if (i := token_id(key, None)) is not None}
@@ -339,8 +344,23 @@ def convert_gguf_vocabulary(gguf: GGUFFile) -> tokenizers.Tokenizer:
     backend, _ = convert_gguf_tokenizer(gguf.architecture or "", vocabulary)
     if vocabulary["tokenizer_type"] == "llama":
         _set_spm_prefix_space(backend, bool(gguf.get("tokenizer.ggml.add_space_prefix", True)))
+    if vocabulary["tokenizer_type"] == "gemma4":
+        _set_gemma4_newline_rule(backend)
+    if vocabulary["tokenizer_type"] == "gpt2" and vocabulary.get("pre_tokenizer_type") in SPLITS:
+        # pre-types transformers does not know (DeepSeek-V3, Kimi-K2): llama.cpp's splits
+        backend.pre_tokenizer = byte_level_pre_tokenizer(vocabulary["pre_tokenizer_type"])
     backend.post_processor = None
     return backend
+
+
+def _set_gemma4_newline_rule(backend: tokenizers.Tokenizer) -> None:
+    """llama.cpp's gemma4 vocabulary (llm_tokenizer_bpe_session, LLAMA_VOCAB_PRE_TYPE_GEMMA4):
+    spaces as '▁', BPE merges over each run of newlines and each stretch between them (never
+    across), and a run of newlines that is itself a token taken whole, merges or not. Here any
+    piece that is a token is taken whole (only a stretch between newlines that is a token its
+    merges do not reach can differ: whole here, merged there)."""
+    backend.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex(r"\n+"), behavior="isolated")
+    backend.model.ignore_merges = True
 
 
 def _set_spm_prefix_space(backend: tokenizers.Tokenizer, add_space_prefix: bool) -> None:

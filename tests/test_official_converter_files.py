@@ -208,3 +208,92 @@ def test_gpt_oss_official_q8_0_mxfp4_file_matches_llama_cpp(gpt_oss_mxfp4):
     window = tiny_models.build("gpt_oss").config.sliding_window
     assert len(apart) == 0 or (apart[-1] - apart[0] < window and len(apart) == apart[-1] - apart[0] + 1)
     assert row_error.max() <= 1e-2 and np.count_nonzero(row_error) == len(apart)
+
+
+# --- Gemma 4: tokenizer.ggml.model = "gemma4" -------------------------------------------------
+
+GEMMA4_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]  # Gemma's ids 0-4
+GEMMA4_TRAINING = ["The quick brown fox jumps over the lazy dog.\n",
+                   "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))\n",
+                   "混合专家模型把每个词元送到少数几个专家。\n\n", "Hello  world,   hello moeswap!\n"] * 20
+# Code, English, Chinese (characters the vocabulary has, and ones only its byte tokens cover),
+# runs of spaces and newlines, control-token text.
+GEMMA4_TEXTS = ["The quick brown fox jumps over the lazy dog.",
+                "def add(a, b):\n    return a + b\n\n\n\nprint(add(1,  2))\n\n\n\n\n\n",
+                "混合专家模型，日本語もテスト。 emoji 🤖!", "  leading spaces\tand a tab\n",
+                "text<eos> after <pad> and <bos>"]
+
+
+def save_gemma4_tokenizer(folder: Path) -> int:
+    """A Gemma-style tokenizer.json (BPE over '▁'-escaped text, 256 byte-fallback tokens, no
+    pre-splitting), trained in-process, with one newline-run token no merge reaches; returns
+    its vocabulary size."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, trainers
+    from transformers import GemmaTokenizer
+
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = normalizers.Replace(" ", "▁")
+    learner.train_from_iterator(GEMMA4_TRAINING, trainers.BpeTrainer(vocab_size=160,
+                                                                     show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    tokens = GEMMA4_SPECIALS + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += sorted(learned["vocab"], key=learned["vocab"].get) + ["\n\n\n\n"]
+    vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
+    GemmaTokenizer(vocab=vocab, merges=[tuple(m) for m in learned["merges"]]).save_pretrained(folder)
+    return len(vocab)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma4")
+    hf = folder / "hf"
+    hf.mkdir()
+    n_vocab = save_gemma4_tokenizer(hf)
+    reference = tiny_models.save("gemma4", hf, vocab_size=n_vocab)
+    (hf / "tokenizer.model").unlink()  # the vocabulary is tokenizer.json's, as published
+    files = {t: official_gguf(hf, folder / f"model.{t}.gguf", t) for t in ("f32", "q8_0")}
+    return reference, hf, files
+
+
+def test_gemma4_official_tokenizer_equals_llama_cpp(gemma4):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    from moeswap.tokenizer import load_tokenizer
+
+    path = gemma4[2]["f32"]
+    assert GGUFReader(path).fields["tokenizer.ggml.model"].contents() == "gemma4"
+    ours = load_tokenizer(path, cache_dir=path.parent / "tokenizers")
+    reference = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in GEMMA4_TEXTS:
+        for parse_special in (False, True):
+            expected = reference.tokenize(text.encode(), add_bos=True, special=parse_special)
+            assert ours.encode(text, parse_special=parse_special) == expected, (text, parse_special)
+        assert ours.decode(ours.encode(text, parse_special=False)) == text
+    assert ours.encode("a\n\n\n\nb", add_special=False)[1] == ours.backend.token_to_id("\n\n\n\n")
+
+
+def test_gemma4_official_file_matches_transformers(gemma4):
+    reference, hf_dir, files = gemma4
+    expected = tiny_models.reference_logits(reference, PROMPT.tolist())
+    for source in (hf_dir, files["f32"]):
+        assert relative_error(logits(source), expected) <= 1e-4, source
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize(("out_type", "bound"), [("f32", 2e-4), ("q8_0", 1e-6)])
+def test_gemma4_official_file_matches_llama_cpp(gemma4, out_type, bound, monkeypatch):
+    """With ggml's f16-table GELU swapped in (test_llama_cpp_logits explains the 1.4e-3 without).
+    The q8_0 file is then bit-identical: ggml computes every product in both programs. In the
+    f32 one torch sums the products in another order than ggml, and the GELU's f16 rounding of
+    its input sometimes falls on the other side of a step: 1.5e-4 on this model."""
+    import torch.nn.functional as F
+
+    pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    from test_llama_cpp_logits import ggml_fp16_gelu, llama_cpp_logits
+
+    path = gemma4[2][out_type]
+    reference = llama_cpp_logits(path)
+    monkeypatch.setattr(F, "gelu", ggml_fp16_gelu)
+    ours = logits(path).double().numpy()
+    assert float(np.abs(ours - reference).max() / np.abs(reference).max()) <= bound
