@@ -80,8 +80,8 @@ def test_device_products_match_ggml_up_to_summation_order(ggml_type):
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("mix", [(Q.IQ2_XXS, Q.IQ2_XXS, Q.IQ3_S), (Q.IQ1_M, Q.IQ1_M, Q.IQ2_S)],
                          ids=lambda m: "-".join(t.name for t in m))
-def test_device_tier_agrees_with_the_cpu_kernels_on_iq_experts(calm_f32_mixtral, mix, tmp_path,  # noqa: F811
-                                                               monkeypatch):
+def test_device_tier_agrees_with_the_cpu_kernels_on_iq_experts(
+        calm_f32_mixtral, mix, tmp_path, monkeypatch):  # noqa: F811 (the imported fixture)
     """Every product the device computes in a decode is ggml's within PRODUCT_BOUND; the logits
     agree with the resident CPU model's, every argmax equal. The logit bound is 2e-3, not
     test_expert_store's 1e-4: a summation-order difference upstream can move one activation

@@ -5,10 +5,10 @@ Files are made two ways. llama.cpp's own quantizer (``llama_model_quantize``) ma
 IQ3_M (IQ3_S mixed with Q4_K and Q6_K), the IQ mixes it quantizes without an importance matrix.
 Every other IQ1-IQ3 ftype it refuses without one ("this quantization requires an importance
 matrix", even IQ3_XXS, whose mix puts attn_k in IQ2_S), and its ``imatrix`` parameter is a C++
-map that ctypes cannot build; so for every type the attention and expert matrices are also quantized here by ggml's quantizer
-(``quantize_rows``) with a *uniform* importance matrix (all ones: every input column weighted
-alike) and written by gguf-py's writer; embeddings, router, norms and head stay F32, as
-llama.cpp keeps routers.
+map that ctypes cannot build; so for every type the attention and expert matrices are also
+quantized here by ggml's quantizer (``quantize_rows``) with a *uniform* importance matrix (all
+ones: every input column weighted alike) and written by gguf-py's writer; embeddings, router,
+norms and head stay F32, as llama.cpp keeps routers.
 
 Each file is held (a) to a naive float64 forward of its own weights dequantized by gguf-py
 (tests/test_quant_forward.py), by the median over positions of the logits' NMSE, and (b) to
@@ -102,7 +102,8 @@ def check_file(path, label: str) -> None:
     ours = moeswap_logits(path)
     naive = peer_agreement(ours, naive_mixtral_logits(path, PROMPT.tolist()).numpy())
     peer = peer_agreement(ours, llama_cpp_logits(path))
-    print(f"{label}: naive {naive[0]:.1e} / {naive[1]:.2f}, llama.cpp {peer[0]:.1e} / {peer[1]:.2f}")
+    print(f"{label}: naive {naive[0]:.1e} / {naive[1]:.2f}, "
+          f"llama.cpp {peer[0]:.1e} / {peer[1]:.2f}")
     assert naive[0] <= NAIVE_MEDIAN_NMSE, naive
     assert peer[0] <= PEER_BOUNDS[0] and peer[1] >= PEER_BOUNDS[1], peer
 

@@ -148,7 +148,7 @@ class GGUFFile:
     tensors: list[TensorInfo]
     alignment: int
     data_offset: int
-    file_size: int
+    file_size: int  # of this file; of the first piece for a split set (``total_size``: all)
     buffer: Any = field(repr=False)
     duplicate_keys: list[str] = field(default_factory=list)
     duplicate_tensors: list[str] = field(default_factory=list)
@@ -165,7 +165,13 @@ class GGUFFile:
         if number != 0:
             first.close()
             first = cls.open_piece(paths[0])
-        pieces = [first] + [_open_split_piece(p, i, count) for i, p in enumerate(paths) if i]
+        pieces = [first]
+        try:
+            pieces += [_open_split_piece(p, i, count) for i, p in enumerate(paths) if i]
+        except GGUFFormatError:
+            for piece in pieces:  # the mappings opened so far
+                piece.close()
+            raise
         return cls.from_pieces(pieces)
 
     @classmethod
@@ -238,7 +244,7 @@ SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
 def split_fields(gf: GGUFFile) -> tuple[int, int]:
     """(split.count, split.no) of a file; (0, 0) when it is not a piece of a split set."""
     count, number = gf.get(SPLIT_COUNT, 0), gf.get(SPLIT_NO, 0)
-    if not isinstance(count, int) or not isinstance(number, int) or isinstance(count, bool):
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (count, number)):
         raise GGUFFormatError(gf.path, "split-piece-mismatch",
                               f"{SPLIT_COUNT} / {SPLIT_NO} are not integers")
     if count > 1 and not 0 <= number < count:
@@ -248,12 +254,14 @@ def split_fields(gf: GGUFFile) -> tuple[int, int]:
 
 
 def split_piece_name(prefix: str, number: int, count: int) -> str:
-    """llama.cpp's ``llama_split_path``: piece ``number`` (0-based) is ``PREFIX-0000{n+1}-of-0000{count}.gguf``."""
+    """llama.cpp's ``llama_split_path``: piece ``number`` (0-based) is named
+    ``PREFIX-{number + 1:05d}-of-{count:05d}.gguf``."""
     return f"{prefix}-{number + 1:05d}-of-{count:05d}.gguf"
 
 
 def split_piece_paths(path: Path, number: int, count: int) -> list[Path]:
-    """Every piece's path, from the path of piece ``number`` (llama.cpp's ``llama_split_prefix``)."""
+    """Every piece's path, from the path of piece ``number`` (llama.cpp's
+    ``llama_split_prefix``)."""
     suffix = split_piece_name("", number, count)
     if not path.name.endswith(suffix):
         raise GGUFFormatError(path, "split-piece-mismatch",
