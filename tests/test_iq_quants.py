@@ -151,9 +151,15 @@ def test_a_ud_style_mix_runs_exactly_through_the_expert_store(f32_file, tmp_path
     assert factory.stats()["total"]["disk_misses"] > 0
 
 
-def test_a_split_iq2_xxs_set_gives_its_single_file_twins_results(f32_file, tmp_path, capsys):
-    single = rewrite(f32_file, tmp_path / "twin.gguf", restore=quantized_here(Q.IQ2_XXS))
-    first = split_copy(single, tmp_path / "set.gguf", 4)
+@pytest.fixture(scope="module")
+def iq2_xxs_set(f32_file):
+    """(first piece of a 4-piece IQ2_XXS set, its single-file twin)."""
+    single = rewrite(f32_file, f32_file.with_name("twin.gguf"), restore=quantized_here(Q.IQ2_XXS))
+    return split_copy(single, f32_file.with_name("set.gguf"), 4), single
+
+
+def test_a_split_iq2_xxs_set_gives_its_single_file_twins_results(iq2_xxs_set, capsys):
+    first, single = iq2_xxs_set
     assert np.array_equal(moeswap_logits(first), moeswap_logits(single))
     assert np.array_equal(llama_cpp_logits(first), llama_cpp_logits(single))
     assert diagnose(first).findings == []
@@ -175,3 +181,22 @@ def test_a_split_iq2_xxs_set_gives_its_single_file_twins_results(f32_file, tmp_p
                      "--host-mem", "2MiB"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].strip()
+
+
+def test_serve_answers_the_same_from_the_split_set(iq2_xxs_set):
+    import moeswap
+    from fastapi.testclient import TestClient
+
+    from moeswap.server.app import ServerOptions, create_app
+    from moeswap.server.batching import BatchOptions
+
+    bodies = []
+    for path in iq2_xxs_set:
+        runtime = moeswap.load(path, threads=1, tokenizer_cache_dir=path.parent / "cache")
+        options = ServerOptions("tiny", BatchOptions(max_batch=2, queue_size=4, ctx=64))
+        with TestClient(create_app(runtime, options), base_url="http://127.0.0.1") as client:
+            r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello",
+                                                     "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        bodies.append(r.json()["choices"])
+    assert bodies[0] == bodies[1] and bodies[0][0]["text"]
