@@ -26,7 +26,8 @@ import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from moeswap.errors import MoeswapError
-from moeswap.formats.bpe_pretokenizers import SPLITS, byte_level_pre_tokenizer
+from moeswap.formats.byte_level_bpe import (SPLITS, byte_level_pre_tokenizer,
+                                           keep_plain_text_control_tokens)
 from moeswap.formats.gguf_file import GGUFFile
 
 # Bump when the conversion below changes, so stale cache entries are not reused.
@@ -349,6 +350,9 @@ def convert_gguf_vocabulary(gguf: GGUFFile) -> tokenizers.Tokenizer:
     if vocabulary["tokenizer_type"] == "gpt2" and vocabulary.get("pre_tokenizer_type") in SPLITS:
         # pre-types transformers does not know (DeepSeek-V3, Kimi-K2): llama.cpp's splits
         backend.pre_tokenizer = byte_level_pre_tokenizer(vocabulary["pre_tokenizer_type"])
+    if vocabulary["tokenizer_type"] == "gpt2":
+        backend = keep_plain_text_control_tokens(backend, vocabulary["tokens"],
+                                                 vocabulary.get("token_type"))
     backend.post_processor = None
     return backend
 
