@@ -21,7 +21,7 @@ from rich.table import Table
 
 from moeswap.errors import GGUFFormatError
 from moeswap.formats.gguf_file import (
-    SPLIT_KEYS, SPLIT_TENSORS, TYPE_SHORT_NAMES, GGUFFile, StringArray)
+    SPLIT_KEYS, SPLIT_TENSORS, TYPE_SHORT_NAMES, GGUFFile, KeyValue, StringArray)
 from moeswap.formats.gguf_moe import (
     ARCH_KEY_TYPES, MAX_EXPERTS, PER_LAYER_ARRAY_KEYS, ROUTED, ROUTER, MoEView, arch_key,
     canonical_alias, split_expert,
@@ -323,7 +323,7 @@ def check_split_keys_agree(gf, view):
     for piece in gf.pieces[1:]:
         for key, item in piece.kv.items():
             ours = first.kv.get(key)
-            if key in SPLIT_KEYS or ours is None or _same_value(ours.value, item.value):
+            if key in SPLIT_KEYS or ours is None or same_record_value(ours, item):
                 continue
             yield _finding("split-key-differs",
                            f"key {key} is {_short(item.value)} in {piece.path.name} but "
@@ -331,13 +331,15 @@ def check_split_keys_agree(gf, view):
                            "and moeswap use")
 
 
-def _same_value(a, b) -> bool:
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, StringArray) or isinstance(b, StringArray):
-        return (isinstance(a, StringArray) and isinstance(b, StringArray)
-                and a.to_list() == b.to_list())
-    return a == b
+def same_record_value(x: KeyValue, y: KeyValue) -> bool:
+    """Whether two metadata records hold the same type and value."""
+    if x.type != y.type or x.item_type != y.item_type:
+        return False
+    if isinstance(x.value, np.ndarray):  # same types: y's value is of the same kind
+        return np.array_equal(x.value, y.value)
+    if isinstance(x.value, StringArray):
+        return x.value.to_list() == y.value.to_list()
+    return x.value == y.value
 
 
 def _short(value) -> str:

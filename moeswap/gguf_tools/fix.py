@@ -36,7 +36,9 @@ from moeswap.formats.gguf_file import (
 from moeswap.formats.gguf_moe import (
     ARCH_KEY_TYPES, MoEView, arch_key, canonical_alias,
 )
-from moeswap.gguf_tools.doctor import ERROR, Finding, Report, check, diagnose, split_expert_groups
+from moeswap.gguf_tools.doctor import (
+    ERROR, Finding, Report, check, diagnose, same_record_value, split_expert_groups,
+)
 
 CHUNK = 64 << 20  # bytes copied per write: memory stays small on any file size
 # Problems no rewrite can solve: the source data itself is ambiguous or absent.
@@ -281,18 +283,12 @@ def _later_piece_keys(p: FixPlan, piece: GGUFFile) -> dict[str, KeyValue]:
     kv = {}
     for key, item in piece.kv.items():
         ours = p.kv.get(key)
-        if key in SPLIT_KEYS or ours is None or ours.type == item.type and _same(ours, item):
+        if key in SPLIT_KEYS or ours is None or same_record_value(ours, item):
             kv[key] = item
         else:
             p.actions.append(f"drop key {key} from {piece.path.name} (the first piece's value "
                              "stands)")
     return kv
-
-
-def _same(a: KeyValue, b: KeyValue) -> bool:
-    if a.type == GGUFValueType.ARRAY:
-        return a.item_type == b.item_type and list(a.value) == list(b.value)
-    return a.value == b.value
 
 
 def _header_bytes(gf: GGUFFile, kv: dict[str, KeyValue], tensors: list[OutputTensor],
