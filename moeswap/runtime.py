@@ -98,11 +98,13 @@ class Runtime:
         return [{**m, "content": self.tokenizer.protect(m["content"])}
                 if isinstance(m.get("content"), str) else m for m in messages]
 
-    def rendered_chat_ids(self, text: str) -> list[int]:
-        """Token ids of the chat template's output for ``protected`` messages."""
+    def rendered_chat_ids(self, text: str, drop: tuple[int, int] | None = None) -> list[int]:
+        """Token ids of the chat template's output for ``protected`` messages (``drop``: see
+        Tokenizer.encode_rendered)."""
         bos = self.tokenizer.token_text(self.tokenizer.bos_id)
         # The template writes BOS itself when it wants one; do not add a second.
-        return self.tokenizer.encode_rendered(text, add_special=not (bos and text.startswith(bos)))
+        return self.tokenizer.encode_rendered(text, add_special=not (bos and text.startswith(bos)),
+                                              drop=drop)
 
 
 def load(path: str | os.PathLike, *, threads: int | None = None,

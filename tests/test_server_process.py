@@ -61,10 +61,12 @@ def serve_process(model: Path, *flags: str):
 
 
 class HealthWatch:
-    """Polls /health every 50 ms on a thread; the slowest answer, and any failure."""
+    """Polls /health every 50 ms on a thread: the slowest answer, any failure, and the
+    server's highest RssAnon meanwhile."""
 
-    def __init__(self, url: str):
-        self.url, self.slowest, self.failures = url, 0.0, []
+    def __init__(self, url: str, pid: int):
+        self.url, self.pid, self.slowest, self.failures = url, pid, 0.0, []
+        self.peak = rss_anon(pid)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -78,6 +80,7 @@ class HealthWatch:
             except httpx.TransportError as e:
                 self.failures.append(repr(e))
             self.slowest = max(self.slowest, time.monotonic() - started)
+            self.peak = max(self.peak, rss_anon(self.pid))
             time.sleep(0.05)
 
     def __enter__(self):
@@ -110,7 +113,7 @@ def test_large_requests_are_refused_cheaply_and_memory_comes_back(hostile_model)
         assert post(url, "/v1/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2,
                                              "temperature": 0}).status_code == 200
         baseline = settle(server.pid)
-        with HealthWatch(url) as health:
+        with HealthWatch(url, server.pid) as health:
             started = time.monotonic()
             r = post(url, "/v1/completions", {"model": MODEL, "prompt": big})
             completion_seconds = time.monotonic() - started
@@ -133,22 +136,27 @@ def test_large_requests_are_refused_cheaply_and_memory_comes_back(hostile_model)
         assert growth < 32 * MiB, growth / MiB
 
 
-def test_keep_recent_tokenizes_a_large_prompt_off_the_event_loop(hostile_model):
-    big = "ab " * (MiB // 3)
+def test_keep_recent_tokenizes_only_the_ends_of_a_large_prompt(hostile_model):
+    big = "ab " * (4 * MiB // 3 - 100)
     with serve_process(hostile_model, "--ctx-policy", "keep-recent") as (url, server):
         baseline = settle(server.pid)
-        with HealthWatch(url) as health:
-            started = time.monotonic()
-            r = post(url, "/v1/completions", {"model": MODEL, "prompt": big, "max_tokens": 2,
-                                               "temperature": 0})
-            seconds = time.monotonic() - started
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens"] < 64
+        seconds = []
+        with HealthWatch(url, server.pid) as health:
+            for path, body in (("/v1/completions", {"prompt": big}),
+                               ("/v1/chat/completions", chat(big))):
+                started = time.monotonic()
+                r = post(url, path, {"model": MODEL, **body, "max_tokens": 2, "temperature": 0})
+                seconds.append(time.monotonic() - started)
+                assert r.status_code == 200, r.text
+                assert r.json()["usage"]["prompt_tokens"] < 64
         growth = settle(server.pid) - baseline
-        print(f"\n1 MiB prompt tokenized and cut in {seconds:.2f} s; slowest /health "
-              f"{health.slowest:.2f} s; RssAnon {baseline / MiB:.0f} MiB, idle after "
-              f"{growth / MiB:+.1f} MiB")
+        print(f"\n4 MiB prompt cut and answered in {seconds[0]:.2f} s (completion), "
+              f"{seconds[1]:.2f} s (chat); slowest /health {health.slowest:.2f} s; RssAnon "
+              f"{baseline / MiB:.0f} MiB, peak {(health.peak - baseline) / MiB:+.0f} MiB, idle "
+              f"after {growth / MiB:+.1f} MiB")
         assert health.failures == [] and health.slowest < 2.0
+        # tokenized whole, the completion alone took 17 s and peaked at +692 MiB
+        assert health.peak - baseline < 128 * MiB
         assert growth < 32 * MiB, growth / MiB
 
 

@@ -10,7 +10,8 @@ Before tokenizing, a prompt that cannot fit is refused from its length alone (po
 ``error``): a token stands for at most ``max_token_bytes`` bytes of text
 (moeswap.tokenizer.Tokenizer), so text of ``ctx * max_token_bytes`` bytes or more has at
 least ``ctx`` tokens; a list of ids is counted. A chat prompt is checked on the template's
-output, before it is tokenized.
+output, before it is tokenized. With ``--ctx-policy keep-recent``, of a prompt far longer than
+the context only its start (BOS, system prompt) and its end are tokenized (``_recent_start``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from moeswap.tokenizer import SpecialTexts
 
 THREADS = 2
 SECONDS = 30.0  # a 4 MiB prompt tokenizes in a few seconds
+RECENT = 2  # keep-recent tokenizes this many contexts' worth of a long prompt's end
 
 
 class Prompts:
@@ -62,8 +64,11 @@ class Prompts:
             return prompt
         size = len(prompt.encode())
         self._check_length(self._fewest_tokens(size), size, "prompt")
+        cut = self._recent_start(prompt, 0)
         try:
-            return await self.off_loop(self.runtime.encode, prompt)
+            if cut is None:
+                return await self.off_loop(self.runtime.encode, prompt)
+            return await self.off_loop(self.runtime.tokenizer.encode, prompt[cut:])
         except ApiError:
             raise
         except Exception as e:
@@ -71,28 +76,39 @@ class Prompts:
 
     async def chat_ids(self, messages: list[dict]) -> tuple[list[int], int]:
         """(ids, how many leading ids keep-recent keeps: BOS and the system prompt)."""
-        ids = await self._chat(messages, add_generation_prompt=True)
-        bos = 1 if ids and ids[0] == self.runtime.tokenizer.bos_id else 0
+        text = await self._render(messages, add_generation_prompt=True)
+        size = len(text.encode()) - 3 * text.count(SpecialTexts.MARK)  # a mark stands for no text
+        self._check_length(self._fewest_tokens(size), size, "messages")
         system = []
         for m in messages:
             if self.policy != "keep-recent" or m["role"] not in ("system", "developer"):
                 break
             system.append(m)
-        if not system:
+        alone = None
+        if system:
+            try:
+                alone = await self._render(system, add_generation_prompt=False)
+            except ApiError:
+                pass
+        bos_text = self.runtime.tokenizer.token_text(self.runtime.tokenizer.bos_id)
+        head = max(len(alone) if alone and text.startswith(alone) else 0,
+                   len(bos_text) if bos_text and text.startswith(bos_text) else 0)
+        cut = self._recent_start(text, head)
+        ids = await self.off_loop(self.runtime.rendered_chat_ids, text,
+                                  None if cut is None else (head, cut))
+        bos = 1 if ids and ids[0] == self.runtime.tokenizer.bos_id else 0
+        if alone is None:
             return ids, bos
-        try:
-            alone = await self._chat(system, add_generation_prompt=False)
-        except ApiError:
-            return ids, bos
-        return ids, max(bos, common_prefix_length(alone, ids))
+        alone_ids = await self.off_loop(self.runtime.rendered_chat_ids, alone)
+        return ids, max(bos, common_prefix_length(alone_ids, ids))
 
-    async def _chat(self, messages: list[dict], **variables: Any) -> list[int]:
+    async def _render(self, messages: list[dict], **variables: Any) -> str:
         if self.worker is None:
             raise ApiError(400, self.runtime.no_chat_template(), param="messages",
                            code="chat_template_unavailable")
         protected = await self.off_loop(self.runtime.protected, messages)
         try:
-            text = await self.worker.render(protected, **variables)
+            return await self.worker.render(protected, **variables)
         except ChatTemplateRefused as e:
             raise ApiError(400, str(e), param="messages", code="invalid_chat_template") from None
         except ChatTemplateFailed as e:  # the model file's fault, not the request's
@@ -100,10 +116,18 @@ class Prompts:
                                 f"{e}", type="server_error", code="chat_template_error") from None
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages", code="chat_template_limit") from None
-        # the marks protect() added are 3 bytes each and stand for no text
-        size = len(text.encode()) - 3 * text.count(SpecialTexts.MARK)
-        self._check_length(self._fewest_tokens(size), size, "messages")
-        return await self.off_loop(self.runtime.rendered_chat_ids, text)
+
+    def _recent_start(self, text: str, head: int) -> int | None:
+        """keep-recent keeps a prompt's first ``head`` characters' tokens (BOS, the system
+        prompt) and its most recent ones, at most ``ctx``. Of a text far longer, only its last
+        ``RECENT`` x ctx x max_token_bytes characters are tokenized (where they start is
+        returned; None: tokenize it all): that many hold at least RECENT x ctx tokens, and
+        tokenizing them alone can change only tokens near the cut (a tokenizer's merges are
+        local), a context away from the kept ones."""
+        if self.policy != "keep-recent" or not self.max_token_bytes:
+            return None
+        tail = RECENT * self.ctx * self.max_token_bytes
+        return len(text) - tail if len(text) - head > 2 * tail else None
 
     def _fewest_tokens(self, size: int) -> int:
         """At least this many tokens in ``size`` bytes of text (0: no bound is known)."""
