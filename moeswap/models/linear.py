@@ -5,7 +5,11 @@ GGUF tensors: zero-copy views of the mapped file) or ``QuantLinear`` over a ggml
 the stored bytes (every other GGUF type; no float32 copy is ever made). The model calls
 ``layer(x)`` and never knows which.
 
-Legend: N tokens, D input width, O output width, V vocabulary.
+``TorchHeads`` / ``QuantHeads`` do the same for a stack of one matrix per attention head (MLA's
+``attn_k_b`` and ``attn_v_b``), the quantized one through ggml's mul_mat_id, whose activations
+are rounded (F16) or quantized (Q8_0 ...) per head as llama.cpp's batched mul_mat does.
+
+Legend: N tokens, D input width, O output width, V vocabulary, H heads.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from moeswap.quant import QuantMatrix
+from moeswap.quant import QuantExperts, QuantMatrix
 
 
 class TorchLinear:
@@ -41,6 +45,27 @@ class QuantLinear:
         """x [N, D] -> [N, O]."""
         y = self.matrix.matmul(x)  # [N, O]
         return y if self.bias is None else y + self.bias
+
+
+class TorchHeads:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # [H, O, D]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] -> [N, H, O]: head h through its own matrix."""
+        return torch.einsum("nhd,hod->nho", x, self.weight)
+
+
+class QuantHeads:
+    """The per-head stack computed by ggml from its stored bytes (GGUF shape (in, out, H))."""
+
+    def __init__(self, stack: QuantExperts):
+        self.stack = stack
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H, D] -> [N, H, O]."""
+        heads = torch.arange(x.shape[1], dtype=torch.int32).expand(x.shape[0], -1)  # [N, H]
+        return self.stack.matmul(x, heads)
 
 
 class TorchEmbedding:

@@ -20,14 +20,15 @@ import torch
 
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import AttentionSpec, Batch, Linear, Rope, attend, rms_norm
+from moeswap.models.linear import QuantHeads, TorchHeads
 
 
 @dataclass
 class MLAWeights:
     wkv_a: Linear  # [N, D] -> [N, L+R]
     kv_a_norm: torch.Tensor  # [L]
-    wk_b: torch.Tensor  # [H, L, P]
-    wv_b: torch.Tensor  # [H, V, L]
+    wk_b: TorchHeads | QuantHeads  # [N, H, P] -> [N, H, L]
+    wv_b: TorchHeads | QuantHeads  # [N, H, L] -> [N, H, V]
     wo: Linear  # [N, H*V] -> [N, D]
     wq: Linear | None = None  # [N, D] -> [N, H*(P+R)] when there is no query compression
     wq_a: Linear | None = None  # [N, D] -> [N, Q]
@@ -44,7 +45,7 @@ class MLAWeights:
                          q_a_norm=weights.tensor(p + "attn_q_a_norm.weight"),
                          wq_b=weights.linear(p + "attn_q_b.weight"))
         return cls(weights.linear(p + "attn_kv_a_mqa.weight"), weights.tensor(p + "attn_kv_a_norm.weight"),
-                   weights.tensor(p + "attn_k_b.weight"), weights.tensor(p + "attn_v_b.weight"),
+                   weights.heads(p + "attn_k_b.weight"), weights.heads(p + "attn_v_b.weight"),
                    weights.linear(p + "attn_output.weight"), **query)
 
 
@@ -70,7 +71,7 @@ class MLAttention:
         latent = rms_norm(kv[:, :self.rank], w.kv_a_norm, self.eps)  # [N, L]
         k_pe = self.rope(kv[:, None, self.rank:], batch.positions)  # [N, 1, R]
         q_pe = self.rope(q_pe, batch.positions)
-        q_latent = torch.einsum("nhp,hlp->nhl", q_nope, w.wk_b)  # [N, H, L]
+        q_latent = w.wk_b(q_nope)  # [N, H, L]
         queries = torch.cat((q_latent, q_pe), dim=-1)  # [N, H, L+R]
         keys_new = torch.cat((latent[:, None], k_pe), dim=-1)  # [N, 1, L+R]
         out = queries.new_empty(x.shape[0], self.n_head, self.rank)  # [N, H, L]
@@ -80,5 +81,5 @@ class MLAttention:
             keys, _, k_pos = cache.append(self.layer, new, new[..., :0])
             out[start:end] = attend(self.spec, queries[start:end], keys, keys[..., :self.rank],
                                     cache.length, k_pos)
-        heads = torch.einsum("nhl,hvl->nhv", out, w.wv_b)  # [N, H, V]
+        heads = w.wv_b(out)  # [N, H, V]
         return w.wo(heads.flatten(1))  # [N, D]

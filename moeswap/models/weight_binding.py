@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.models.linear import QuantEmbedding, QuantLinear, TorchEmbedding, TorchLinear
+from moeswap.models.linear import (QuantEmbedding, QuantHeads, QuantLinear, TorchEmbedding,
+                                   TorchHeads, TorchLinear)
 from moeswap.quant import CpuKernels
 
 
@@ -74,6 +75,15 @@ class BoundWeights:
         self._report(name, quantized=True)
         return QuantLinear(self.kernels.matrix(self.gguf.tensor_bytes(info), info.type_id,
                                                tuple(info.shape), name), b)
+
+    def heads(self, name: str) -> TorchHeads | QuantHeads:
+        """A stack of one matrix per head ``name`` ([H, out, in]: MLA's attn_k_b, attn_v_b)."""
+        info = self._stored_quantized(name)
+        if info is None:
+            return TorchHeads(self._float(name))
+        self._report(name, quantized=True)
+        return QuantHeads(self.kernels.experts(self.gguf.tensor_bytes(info), info.type_id,
+                                               tuple(info.shape), name))
 
     def embedding(self, name: str) -> TorchEmbedding | QuantEmbedding:
         info = self._stored_quantized(name)
