@@ -11,7 +11,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "moeswap"
 
 # bottom up; a name is a top-level module or subpackage of moeswap
 LAYERS = [
-    ("errors", "formats", "quant", "memory", "sampling", "chat_template", "context_window"),
+    ("errors", "formats", "quant", "memory", "sampling", "chat_template", "context_window",
+     "special_text"),
     ("tokenizer", "models"),
     ("routing",),
     ("experts",),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
-from moeswap.context_window import common_prefix_length, fit_context
 from test_server import MODEL, TEMPLATE, load, one_thread, solo_text, write_model  # noqa: F401
 from test_server_live import live_server
+
+from moeswap.context_window import common_prefix_length, fit_context
 
 CTX = 64
 

@@ -11,11 +11,11 @@ import time
 
 import httpx
 import pytest
+from test_server import MODEL, TEMPLATE, load, one_thread, write_model  # noqa: F401 (fixture)
+from test_server_live import live_server
 
 from moeswap.errors import MoeswapError
 from moeswap.server.app import ServerOptions
-from test_server import MODEL, TEMPLATE, load, one_thread, write_model  # noqa: F401 (fixture)
-from test_server_live import live_server
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from test_server import MODEL, write_model
 from test_server_templates import HOSTILE, chat
 

@@ -10,10 +10,10 @@ import threading
 import httpx
 import pytest
 from gguf import GGUFValueType as T
-
-from moeswap.tokenizer import SpecialTexts
 from test_server import MODEL, TEMPLATE, load, one_thread, write_model  # noqa: F401 (fixture)
 from test_server_live import live_server
+
+from moeswap.special_text import SpecialTexts
 
 # One template, a branch per attack, chosen by the last message's content.
 ATTACKS = {

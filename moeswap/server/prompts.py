@@ -20,11 +20,15 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from moeswap.chat_template import ChatTemplateError, ChatTemplateFailed, ChatTemplateRefused
+from moeswap.chat_template import (
+    ChatTemplateError,
+    ChatTemplateFailed,
+    ChatTemplateRefused,
+)
 from moeswap.context_window import common_prefix_length
 from moeswap.server.api_errors import ApiError
 from moeswap.server.template_worker import TemplateWorker
-from moeswap.tokenizer import SpecialTexts
+from moeswap.special_text import SpecialTexts
 
 THREADS = 2
 SECONDS = 30.0  # a 4 MiB prompt tokenizes in a few seconds

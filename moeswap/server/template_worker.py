@@ -20,8 +20,13 @@ import multiprocessing
 import threading
 from typing import Any
 
-from moeswap.chat_template import (ChatTemplate, ChatTemplateError, ChatTemplateFailed,
-                                   ChatTemplateLimit, ChatTemplateRefused)
+from moeswap.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateFailed,
+    ChatTemplateLimit,
+    ChatTemplateRefused,
+)
 
 SECONDS = 5.0  # a long conversation renders in milliseconds
 MEMORY = 512 * 2**20
