@@ -103,17 +103,24 @@ def test_qwen2moe_official_file_matches_llama_cpp(qwen2moe, out_type):
     assert_matches_llama_cpp(qwen2moe[2][out_type])
 
 
-def test_wrong_shexp_gate_shape_is_one_line_at_load(qwen2moe, tmp_path, capsys):
-    """[2, 32] holds n_embd numbers too, but llama.cpp refuses it: so does moeswap, at load."""
-    name = "blk.1.ffn_gate_inp_shexp.weight"
+@pytest.mark.parametrize(("name", "ne", "shown"), [
+    # [2, 32] holds n_embd numbers too, but llama.cpp refuses it: so does moeswap
+    ("blk.1.ffn_gate_inp_shexp.weight", (32, 2), "[2, 32]"),
+    ("blk.0.attn_k.weight", (32, 64), "[64, 32]"), ("blk.0.attn_output.weight", (32, 128), "[128, 32]"),
+    ("blk.0.ffn_gate_inp.weight", (4, 64), "[64, 4]"), ("token_embd.weight", (128, 64), "[64, 128]"),
+    ("blk.0.ffn_down_shexp.weight", (64, 48), "[48, 64]"),
+    ("blk.1.ffn_gate_exps.weight", (32, 64, 4), "[4, 64, 32]"),
+    ("blk.1.ffn_down_exps.weight", (64, 32, 4), "[4, 32, 64]")])
+def test_a_tensor_of_the_wrong_shape_is_one_line_at_load(qwen2moe, tmp_path, capsys, name, ne,
+                                                         shown):
+    """Not a torch traceback from the middle of a forward: the tensor's name, exit 2."""
     data = bytearray(qwen2moe[2]["f32"].read_bytes())
-    at = tensor_info_offset(bytes(data), name)
-    struct.pack_into("<QQ", data, at + 4, 32, 2)  # ne (64, 1) -> (32, 2)
+    struct.pack_into("<" + "Q" * len(ne), data, tensor_info_offset(bytes(data), name) + 4, *ne)
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(bytes(data))
     assert main(["run", str(broken), "-p", "hello", "-n", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and name in err[0] and "[2, 32]" in err[0], err
+    assert len(err) == 1 and f"'{name}'" in err[0] and shown in err[0], err
 
 
 # --- GPT-OSS: a folder whose experts are MXFP4 blocks, as openai/gpt-oss-* is published -----

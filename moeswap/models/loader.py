@@ -23,6 +23,7 @@ from moeswap.models.experts import ResidentExperts
 from moeswap.models.moe import DecisionRecorder, ExpertRunner
 from moeswap.models.quant_experts import ExpertLayout, FolderMxfp4Experts, QuantResidentExperts
 from moeswap.models.registry import family
+from moeswap.models.shapes import check_shapes
 from moeswap.models.weight_binding import BoundWeights
 from moeswap.quant import CpuKernels
 
@@ -58,6 +59,11 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         weights = GGUFWeights(source)
     else:
         raise MoeswapError(f"{path}: no such file or folder")
+    if gguf is not None:
+        check_shapes(str(path), config, (t.name for t in gguf.tensors),
+                     lambda name: tuple(reversed(gguf.tensor(name).shape)))
+    else:
+        check_shapes(str(path), config, weights.names(), weights.tensor_shape)
     if expert_runner is not None and gguf is None:
         raise MoeswapError(f"{path}: expert offload (--host-mem / --device-mem) needs a .gguf file; "
                            f"convert the folder first: moeswap convert {path} -o MODEL.gguf")
