@@ -123,6 +123,28 @@ def test_a_tensor_of_the_wrong_shape_is_one_line_at_load(qwen2moe, tmp_path, cap
     assert len(err) == 1 and f"'{name}'" in err[0] and shown in err[0], err
 
 
+def test_a_missing_head_count_kv_is_one_line_at_load(qwen2moe, tmp_path, capsys):
+    """Without the key, llama.cpp too takes head_count kv heads; the keys then do not fit."""
+    from gguf import GGUFWriter
+
+    reader = GGUFReader(qwen2moe[2]["f32"])
+    broken = tmp_path / "broken.gguf"
+    writer = GGUFWriter(broken, "qwen2moe")
+    for f in reader.fields.values():
+        if not f.name.startswith("GGUF.") and f.name not in ("general.architecture",
+                                                             "qwen2moe.attention.head_count_kv"):
+            writer.add_key_value(f.name, f.contents(), f.types[0], f.types[-1])
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["run", str(broken), "-p", "hello", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'blk.0.attn_k.weight'" in err[0] and "head_count_kv = 4" in err[0]
+
+
 # --- GPT-OSS: a folder whose experts are MXFP4 blocks, as openai/gpt-oss-* is published -----
 
 def q8_0_rounded(x: torch.Tensor) -> torch.Tensor:

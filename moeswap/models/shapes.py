@@ -3,8 +3,9 @@ needs: a file whose tensors do not fit together is refused naming the tensor, be
 is computed, instead of failing in the middle of a forward with a torch error.
 
 Only what every family shares is checked: the projections that read the residual stream
-(n_embd wide) or write to it, the norms on it, the router, the expert stacks (one per expert
-of the router) and that a down projection takes what its gate and up give. Shapes are torch
+(n_embd wide) or write to it, the norms on it, the query/key/value heads (except MLA's), the
+router, the expert stacks (one per expert of the router) and that a down projection takes
+what its gate and up give. Shapes are torch
 order ([out, in]; expert stacks [X, out, in]).
 """
 
@@ -46,6 +47,15 @@ def check_shapes(where: str, config: ModelConfig, names: Iterable[str],
         if EXPERT_STACKS.fullmatch(name) and config.n_expert and shape[0] != config.n_expert:
             refuse(name, f"expected one row or matrix per expert: expert_count = {config.n_expert}")
     for layer in range(config.n_layer):
+        swa = layer < len(config.swa_layers) and config.swa_layers[layer]
+        head_dim = config.head_dim_swa if swa else config.head_dim
+        n_head_kv = config.n_head_kv_swa if swa else config.n_head_kv
+        heads = {"q": (config.n_head, "head_count"), "k": (n_head_kv, "head_count_kv"),
+                 "v": (n_head_kv, "head_count_kv")}
+        for part, (n, key) in heads.items():
+            name = f"blk.{layer}.attn_{part}.weight"
+            if not config.kv_lora_rank and name in shapes and shapes[name][0] != n * head_dim:
+                refuse(name, f"expected attention.{key} = {n} heads of {head_dim}")
         for kind in ("", "_shexp", "_exps"):
             down = f"blk.{layer}.ffn_down{kind}.weight"
             if down not in shapes:
