@@ -1,5 +1,5 @@
 """Flags most commands share, spelled as llama.cpp spells them: the model (positional, or
-``-m/--model``) and ``-t/--threads``."""
+``-m/--model``), ``-t/--threads``, and the check of ``-c/--ctx`` against the model."""
 
 from __future__ import annotations
 
@@ -28,3 +28,14 @@ def resolve_model(args, parser: argparse.ArgumentParser) -> None:
 def add_threads_argument(p: argparse.ArgumentParser, default: int | None = None,
                          help: str = "CPU threads (default: torch's)") -> None:
     p.add_argument("-t", "--threads", type=int, default=default, help=help)
+
+
+def warn_beyond_training(runtime, ctx: int) -> None:
+    """One line when ``ctx`` passes the positions the model was trained for (as llama.cpp's
+    n_ctx_train warning): replies past them may degrade."""
+    import sys
+
+    trained = runtime.config.n_ctx_train
+    if trained and ctx > trained:
+        print(f"moeswap: warning: --ctx {ctx} is more than the {trained} positions this model "
+              "was trained for; text past them may degrade", file=sys.stderr)

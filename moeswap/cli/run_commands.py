@@ -7,7 +7,8 @@ import sys
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from moeswap.cli.common_args import add_model_argument, add_threads_argument
+from moeswap.cli.common_args import (add_model_argument, add_threads_argument,
+                                     warn_beyond_training)
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
@@ -79,6 +80,8 @@ def run_generate(args) -> int:
         if recorder is not None and not runtime.config.moe_layers:
             raise MoeswapError(f"{model_path}: this {runtime.config.arch} model has no routed "
                                "experts; there is no routing to trace (drop --trace)")
+        if args.ctx:
+            warn_beyond_training(runtime, args.ctx)
         loaded = progress.tasks[0]
         err.print(f"loaded {model_path}: {int(loaded.completed)} tensors in "
                   f"{loaded.elapsed:.1f} s", markup=False)

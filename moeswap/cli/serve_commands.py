@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from moeswap.cli.common_args import add_model_argument, add_threads_argument
+from moeswap.cli.common_args import (add_model_argument, add_threads_argument,
+                                     warn_beyond_training)
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
 
 
-def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
+def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool = True) -> None:
     from moeswap.context_window import POLICIES
 
-    add_model_argument(p, "a .gguf file or a Hugging Face folder")
+    add_model_argument(p, "a .gguf file or a Hugging Face folder"
+                          + ("" if required else " (default: the built-in model, docs/MODEL.md)"),
+                       required)
     p.add_argument("-c", "--ctx", type=int, default=4096, help=ctx_help)
     p.add_argument("--ctx-policy", choices=POLICIES, default="error",
                    help="when a prompt outgrows --ctx: refuse it (error), or keep the system "
@@ -24,7 +27,10 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "") -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     _add_model_arguments(p, "positions per request: prompt and reply (4096)",
-                         ", all requests together")
+                         ", all requests together", required=False)
+    p.add_argument("-a", "--alias", action="append", default=[], metavar="NAME",
+                   help="another name requests may give as `model` (repeatable), as a client "
+                        "with a hard-coded model name needs; listed by GET /v1/models")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
@@ -69,14 +75,18 @@ def run_serve(args) -> int:
     from moeswap.server.budget import batch_charge
     from moeswap.memory import parse_size
 
+    import moeswap
+
+    args.model = args.model or str(moeswap.DEFAULT_MODEL)
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
-                            ctx_policy=args.ctx_policy, api_key=args.api_key,
-                            max_body=parse_size(args.max_body), bind_host=args.host,
-                            allow_hosts=tuple(args.allow_host))
+                            aliases=tuple(args.alias), ctx_policy=args.ctx_policy,
+                            api_key=args.api_key, max_body=parse_size(args.max_body),
+                            bind_host=args.host, allow_hosts=tuple(args.allow_host))
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
     runtime = _load(args, batch_charge(batch), activity)
+    warn_beyond_training(runtime, args.ctx)
     uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
                 log_level="info")
     return 0
@@ -97,6 +107,7 @@ def run_chat(args) -> int:
     charge = HostCharge.for_sequence(args.ctx, min(args.step_tokens, args.ctx))
     with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
         runtime = _load(args, charge)
+    warn_beyond_training(runtime, args.ctx)
     session = ChatSession(runtime, options, sampling)
     session.run(sys.stdin, sys.stdout)
     return 0

@@ -84,8 +84,9 @@ class Routes:
         return self._page_file("page.css")
 
     async def models(self):
-        return {"object": "list", "data": [{"id": self.state.options.model_name, "object": "model",
-                                            "created": self.state.created, "owned_by": "moeswap"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model",
+                                            "created": self.state.created, "owned_by": "moeswap"}
+                                           for name in self.state.options.served_names]}
 
     async def completions(self, request: Request):
         runtime, options = self.state.runtime, self.state.options
@@ -134,7 +135,8 @@ class Routes:
             raise ApiError(429, str(e), type="requests", code="rate_limit_exceeded") from None
         except NotRunning as e:
             raise ApiError(503, str(e), type="server_error") from None
-        reply = Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", options.model_name, len(ids))
+        # the name the client asked for, as OpenAI echoes it (an alias included)
+        reply = Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", body.model, len(ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = reply.sse(choices, body.n, include_usage)
@@ -153,9 +155,10 @@ def _sampling_params(body: SamplingBody) -> SamplingParams:
 
 
 def _check_body(body: SamplingBody, options: ServerOptions) -> None:
-    if body.model != options.model_name:
+    if body.model not in options.served_names:
+        names = ", ".join(f"`{name}`" for name in options.served_names)
         raise ApiError(404, f"the model `{body.model}` does not exist; this server has "
-                            f"`{options.model_name}` (GET /v1/models)", param="model",
+                            f"{names} (GET /v1/models; more names with --alias)", param="model",
                        code="model_not_found")
     if body.n > options.batch.max_batch:
         raise ApiError(400, f"n: {body.n} choices asked; at most {options.batch.max_batch} "

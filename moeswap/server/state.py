@@ -28,6 +28,7 @@ PAGE_FILES = {"index.html": "text/html; charset=utf-8", "page.js": "text/javascr
 class ServerOptions:
     model_name: str
     batch: BatchOptions = BatchOptions()
+    aliases: tuple[str, ...] = ()  # more names requests may give for the model (--alias)
     ctx_policy: str = "error"  # or "keep-recent" (moeswap.context_window)
     api_key: str | None = None
     max_body: int = MAX_BODY  # bytes of a request body (--max-body)
@@ -40,9 +41,17 @@ class ServerOptions:
                                "key, or leave the flag out to serve without one")
         if self.max_body < 1:
             raise MoeswapError(f"--max-body must be at least 1 byte, got {self.max_body}")
+        if any(not alias.strip() for alias in self.aliases):
+            raise MoeswapError("--alias is empty: give the name clients send as `model`")
         if self.ctx_policy not in POLICIES:
             raise MoeswapError(f"--ctx-policy must be one of {', '.join(POLICIES)}, "
                                f"got {self.ctx_policy!r}")
+
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request may give as ``model``, the file's own first."""
+        return (self.model_name, *self.aliases)
 
 
 @dataclass
