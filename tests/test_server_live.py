@@ -56,7 +56,7 @@ def test_openai_client_lists_completes_chats_and_streams(runtime):
     openai = pytest.importorskip("openai", reason="the official client is what is being checked")
     messages = [{"role": "user", "content": "bcd"}]
     chat_ids = runtime.chat_prompt_ids(messages)
-    with live_server(runtime, api_key="k3y") as (url, _):
+    with live_server(runtime, api_key="k3y", strict_model=True) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="k3y", max_retries=0)
         assert [m.id for m in client.models.list()] == [MODEL]
         completion = client.completions.create(model=MODEL, prompt="abcab", max_tokens=6,

@@ -18,7 +18,7 @@ def runtime(tmp_path_factory):
 
 
 def test_an_alias_is_listed_accepted_and_echoed(runtime):
-    with serve(runtime, aliases=("gpt-4o-mini",)) as client:
+    with serve(runtime, aliases=("gpt-4o-mini",), strict_model=True) as client:
         listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
         assert listed == [MODEL, "gpt-4o-mini"]
         for name in listed:
@@ -30,6 +30,13 @@ def test_an_alias_is_listed_accepted_and_echoed(runtime):
         assert "`tiny`, `gpt-4o-mini`" in r.json()["error"]["message"]
     with pytest.raises(MoeswapError, match="--alias is empty"):
         ServerOptions(MODEL, aliases=(" ",))
+
+
+def test_without_strict_model_any_name_is_served(runtime):
+    with serve(runtime) as client:  # llama-server's habit: one model, whatever it is called
+        r = client.post("/v1/completions", json={"model": "gpt-4", "prompt": "ab",
+                                                 "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["model"] == "gpt-4"
 
 
 def test_serve_defaults_to_the_built_in_model_and_warns_past_the_trained_context(monkeypatch,

@@ -31,6 +31,9 @@ def register(subparsers) -> None:
     p.add_argument("-a", "--alias", action="append", default=[], metavar="NAME",
                    help="another name requests may give as `model` (repeatable), as a client "
                         "with a hard-coded model name needs; listed by GET /v1/models")
+    p.add_argument("--strict-model", action="store_true",
+                   help="refuse requests naming a model other than the file's name or an "
+                        "--alias (default: any name is served, as llama-server does)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (8080)")
@@ -81,7 +84,8 @@ def run_serve(args) -> int:
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
-                            aliases=tuple(args.alias), ctx_policy=args.ctx_policy,
+                            aliases=tuple(args.alias), strict_model=args.strict_model,
+                            ctx_policy=args.ctx_policy,
                             api_key=args.api_key, max_body=parse_size(args.max_body),
                             bind_host=args.host, allow_hosts=tuple(args.allow_host))
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used

@@ -155,10 +155,11 @@ def _sampling_params(body: SamplingBody) -> SamplingParams:
 
 
 def _check_body(body: SamplingBody, options: ServerOptions) -> None:
-    if body.model not in options.served_names:
+    if options.strict_model and body.model not in options.served_names:
         names = ", ".join(f"`{name}`" for name in options.served_names)
         raise ApiError(404, f"the model `{body.model}` does not exist; this server has "
-                            f"{names} (GET /v1/models; more names with --alias)", param="model",
+                            f"{names} (GET /v1/models; more names with --alias, or any name "
+                            "without --strict-model)", param="model",
                        code="model_not_found")
     if body.n > options.batch.max_batch:
         raise ApiError(400, f"n: {body.n} choices asked; at most {options.batch.max_batch} "

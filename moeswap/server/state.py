@@ -29,6 +29,9 @@ class ServerOptions:
     model_name: str
     batch: BatchOptions = BatchOptions()
     aliases: tuple[str, ...] = ()  # more names requests may give for the model (--alias)
+    # only those names are served (--strict-model); else any name, as llama-server does with
+    # its one model
+    strict_model: bool = False
     ctx_policy: str = "error"  # or "keep-recent" (moeswap.context_window)
     api_key: str | None = None
     max_body: int = MAX_BODY  # bytes of a request body (--max-body)
