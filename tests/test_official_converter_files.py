@@ -145,6 +145,20 @@ def test_a_missing_head_count_kv_is_one_line_at_load(qwen2moe, tmp_path, capsys)
     assert len(err) == 1 and "'blk.0.attn_k.weight'" in err[0] and "head_count_kv = 4" in err[0]
 
 
+def test_a_missing_config_key_is_one_line_at_load(qwen2moe, tmp_path, capsys):
+    import json
+    import shutil
+
+    folder = tmp_path / "hf"
+    shutil.copytree(qwen2moe[1], folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["run", str(folder), "-p", "hello", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "required key 'num_attention_heads'" in err[0], err
+
+
 # --- GPT-OSS: a folder whose experts are MXFP4 blocks, as openai/gpt-oss-* is published -----
 
 def q8_0_rounded(x: torch.Tensor) -> torch.Tensor:

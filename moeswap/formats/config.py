@@ -291,6 +291,17 @@ def _uniform(path: Any, name: str, value: Any) -> int:
     return int(value)
 
 
+class HfConfig(dict):
+    """config.json's keys: reading a missing one is a MoeswapError naming it, not a KeyError."""
+
+    def __init__(self, path: Path, items: dict[str, Any]):
+        super().__init__(items)
+        self.path = path
+
+    def __missing__(self, key: str) -> Any:
+        raise MoeswapError(f"{self.path}: required key '{key}' is missing")
+
+
 def read_hf_config(folder: Path) -> dict[str, Any]:
     path = Path(folder) / "config.json"
     try:
@@ -300,7 +311,8 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise MoeswapError(f"{path}: invalid JSON ({e})") from None
     # Multimodal wrappers (Gemma3ForConditionalGeneration) keep the LM in text_config.
-    return {**raw, **raw.get("text_config", {}), "architectures": raw.get("architectures", [])}
+    return HfConfig(path, {**raw, **raw.get("text_config", {}),
+                           "architectures": raw.get("architectures", [])})
 
 
 def hf_arch(hf: dict[str, Any], folder: Path) -> str:
