@@ -54,9 +54,9 @@ class ChatOptions:
 
 class ChatSession:
     def __init__(self, runtime: Any, options: ChatOptions, sampling: SamplingParams):
-        if runtime.chat_template is None:
-            raise MoeswapError("this model has no chat template (tokenizer.chat_template); "
-                               "use `moeswap run -p` for plain completion")
+        if runtime.chat_template is None:  # its template does not compile
+            raise MoeswapError(runtime.no_chat_template(
+                "give --chat-template FILE|NAME, or use `moeswap run -p` for plain completion"))
         self.runtime = runtime
         self.options = options
         self.sampler = Sampler(sampling)

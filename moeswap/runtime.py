@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from moeswap.chat_template import ChatTemplate, ChatTemplateError
+from moeswap.template_library import BUILT_IN, FALLBACK
 from moeswap.errors import MoeswapError
 from moeswap.memory import STEP_TOKENS
 from moeswap.generate import GenerationStats, generate
@@ -20,20 +21,23 @@ from moeswap.tokenizer import Tokenizer, load_tokenizer
 
 class Runtime:
     def __init__(self, model: Any, tokenizer: Tokenizer, expert_runner: Any = None,
-                 replay: Any = None):
+                 replay: Any = None, chat_template: str | None = None):
+        """chat_template: Jinja source in place of the model's own; a model with none falls
+        back to moeswap.template_library's plain template (``chat_template_fallback``)."""
         self.model = model
         self.tokenizer = tokenizer
         self.expert_runner = expert_runner  # the offload store's builder, when one was asked for
         self.replay = replay  # moeswap.routing.replay.RoutingReplay, when routing is replayed
         self.chat_template: ChatTemplate | None = None
         self.chat_template_error: str | None = None  # why the model's template cannot be used
-        if tokenizer.chat_template:
-            try:
-                self.chat_template = ChatTemplate(
-                    tokenizer.chat_template, bos_token=tokenizer.token_text(tokenizer.bos_id),
-                    eos_token=tokenizer.token_text(tokenizer.eos_id))
-            except ChatTemplateError as e:  # the model still completes plain prompts
-                self.chat_template_error = str(e)
+        source = chat_template or tokenizer.chat_template
+        self.chat_template_fallback = not source  # chat runs on the plain template
+        try:
+            self.chat_template = ChatTemplate(
+                source or BUILT_IN[FALLBACK], bos_token=tokenizer.token_text(tokenizer.bos_id),
+                eos_token=tokenizer.token_text(tokenizer.eos_id))
+        except ChatTemplateError as e:  # the model still completes plain prompts
+            self.chat_template_error = str(e)
 
     @property
     def config(self):
@@ -87,11 +91,9 @@ class Runtime:
         return self.rendered_chat_ids(self.chat_template.render(self.protected(messages),
                                                                 **variables))
 
-    def no_chat_template(self) -> str:
-        if self.chat_template_error:
-            return (f"this model's chat template cannot be used ({self.chat_template_error}); "
-                    "give a plain prompt instead")
-        return "this model has no chat template (tokenizer.chat_template); give a plain prompt instead"
+    def no_chat_template(self, fix: str = "give a plain prompt instead") -> str:
+        """Why chat cannot render (its template does not compile), and ``fix``."""
+        return f"this model's chat template cannot be used ({self.chat_template_error}); {fix}"
 
     def protected(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``messages`` with their text contents marked for ``rendered_chat_ids``."""
@@ -111,7 +113,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
          verbose_log: Callable[[str], None] | None = None, expert_runner: Any = None,
          tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
          replay_routing: str | os.PathLike | None = None, context_tokens: int = 0,
-         step_tokens: int = 0) -> Runtime:
+         step_tokens: int = 0, chat_template: str | None = None) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -122,6 +124,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     recorder: handed every routing decision (moeswap.routing.recorder.RoutingRecorder).
     replay_routing: a routing trace (.npz) whose decisions replace the router's, for measuring
     the store with real routing on a generated model (docs/OFFLOAD.md, "Replayed routing").
+    chat_template: Jinja source in place of the model's own chat template
+    (moeswap.template_library.template_source reads a name or a file).
     context_tokens, step_tokens: what the store's budget charged each sequence for
     (moeswap.memory.HostCharge); caches are sized to it (0: they grow as they fill).
     """
@@ -140,7 +144,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
                        recorder=recorder, replay=replay, context_tokens=context_tokens,
                        step_tokens=step_tokens)
-    return Runtime(model, tokenizer, expert_runner, replay)
+    return Runtime(model, tokenizer, expert_runner, replay, chat_template)
 
 
 def peak_rss_bytes() -> int:

@@ -191,10 +191,23 @@ def test_keep_recent_policy_cuts_the_middle(tiny_path, runtime, monkeypatch, cap
     assert out.split("\n")[1] == printed(runtime, messages, ctx=24, policy="keep-recent")
 
 
-def test_model_without_a_template_is_a_clear_error(tmp_path, monkeypatch, capsys):
+def test_a_model_without_a_template_chats_on_the_plain_one_or_the_one_given(tmp_path, monkeypatch,
+                                                                           capsys):
     from gguf_builders import mixtral
+
+    from moeswap.template_library import BUILT_IN
 
     path = mixtral().write(tmp_path / "plain.gguf")
     monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
-    assert main(["chat", str(path)]) == 2
-    assert "no chat template" in capsys.readouterr().err
+    assert main(["chat", str(path), "--temp", "0", "-n", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "has no chat template: chat uses the plain one" in err and "--chat-template" in err
+    assert out.split("\n")[1]  # a reply
+    template = tmp_path / "t.jinja"
+    template.write_text(BUILT_IN["chatml"])
+    for given in ("chatml", str(template)):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+        assert main(["chat", str(path), "--temp", "0", "-n", "3", "--chat-template", given]) == 0
+        assert "no chat template" not in capsys.readouterr().err
+    assert main(["chat", str(path), "--chat-template", "nope"]) == 2
+    assert "--chat-template nope: neither a file nor a built-in" in capsys.readouterr().err

@@ -156,11 +156,13 @@ def test_runtime_batch_equals_single_runs(tiny_runtime):
         assert batch[index] == list(generate(model, prompt, max_tokens=5)), index
 
 
-def test_runtime_rejects_unknown_sampling_options_and_missing_template(tiny_runtime):
+def test_runtime_rejects_unknown_sampling_options_and_falls_back_to_a_plain_template(tiny_runtime):
     with pytest.raises(MoeswapError, match="unknown sampling option"):
         tiny_runtime.generate("a", 2, temprature=0.5)
-    with pytest.raises(MoeswapError, match="no chat template"):
-        tiny_runtime.chat_prompt_ids([{"role": "user", "content": "hi"}])
+    assert tiny_runtime.chat_template_fallback  # the model ships no template
+    ids = tiny_runtime.chat_prompt_ids([{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": "hi"}])
+    assert ids == tiny_runtime.encode("system: be brief\nuser: hi\nassistant:")
 
 
 def test_load_of_a_missing_file_names_it(tmp_path):

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "moeswap"
 # bottom up; a name is a top-level module or subpackage of moeswap
 LAYERS = [
     ("errors", "formats", "quant", "memory", "sampling", "chat_template", "context_window",
-     "special_text"),
+     "special_text", "template_library"),
     ("tokenizer", "models"),
     ("routing",),
     ("experts",),

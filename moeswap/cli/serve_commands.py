@@ -19,6 +19,10 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
     p.add_argument("--ctx-policy", choices=POLICIES, default="error",
                    help="when a prompt outgrows --ctx: refuse it (error), or keep the system "
                         "prompt and the most recent tokens (keep-recent) (error)")
+    p.add_argument("--chat-template", metavar="FILE|NAME",
+                   help="the chat template to render with, instead of the model's: a Jinja "
+                        "file, or chatml, llama3, gemma or plain (default: the model's; plain "
+                        "for a model without one)")
     add_threads_argument(p)
     add_step_tokens_argument(p, step_scope)
     add_offload_arguments(p)
@@ -59,12 +63,22 @@ def register(subparsers) -> None:
 
 
 def _load(args, charge, recorder=None):
-    """The runtime; its expert store's host budget pays ``charge`` (a moeswap.memory.HostCharge)."""
-    import moeswap
+    """The runtime; its expert store's host budget pays ``charge`` (a moeswap.memory.HostCharge),
+    and it chats with ``--chat-template`` or the model's own (said when it falls back)."""
+    import sys
 
-    return moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
-                        recorder=recorder,
-                        **offload_load_options(offload_settings(args), charge, args.threads))
+    import moeswap
+    from moeswap.template_library import FALLBACK, template_source
+
+    template = template_source(args.chat_template) if args.chat_template else None
+    runtime = moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
+                           recorder=recorder, chat_template=template,
+                           **offload_load_options(offload_settings(args), charge, args.threads))
+    if runtime.chat_template_fallback:
+        print(f"moeswap: warning: {args.model} has no chat template: chat uses the {FALLBACK} "
+              "one (role: text lines); give --chat-template FILE or chatml, llama3, gemma",
+              file=sys.stderr)
+    return runtime
 
 
 def run_serve(args) -> int:
