@@ -324,12 +324,13 @@ def test_gemma4_official_file_matches_transformers(gemma4):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize(("out_type", "bound"), [("f32", 2e-4), ("q8_0", 1e-6)])
+@pytest.mark.parametrize(("out_type", "bound"), [("f32", 1e-3), ("q8_0", 1e-6)])
 def test_gemma4_official_file_matches_llama_cpp(gemma4, out_type, bound, monkeypatch):
-    """With ggml's f16-table GELU swapped in (test_llama_cpp_logits explains the 1.4e-3 without).
-    The q8_0 file is then bit-identical: ggml computes every product in both programs. In the
-    f32 one torch sums the products in another order than ggml, and the GELU's f16 rounding of
-    its input sometimes falls on the other side of a step: 1.5e-4 on this model."""
+    """With ggml's f16-table GELU swapped in (test_llama_cpp_logits explains the 1.4e-3 without;
+    0.27 on the q8_0 file, where it changes which experts are picked). The q8_0 file is then
+    within 1.5e-7: ggml computes every product in both programs. In the f32 one torch sums the
+    products in another order than ggml, and the GELU's f16 rounding of its input sometimes
+    falls on the other side of a step: 1.5e-4 to 3.9e-4, by the random draw of the weights."""
     import torch.nn.functional as F
 
     pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
