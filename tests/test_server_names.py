@@ -1,6 +1,6 @@
 """What people coming from llama-server expect of names and sizes (issue 24, part): --alias,
-`moeswap serve` without a model serving the built-in one, and a warning when --ctx passes the
-positions the model was trained for."""
+`moeswap serve` without a model serving the built-in one, --ctx defaulting to the trained
+context when shorter than 4096, and a warning when --ctx passes it."""
 
 from __future__ import annotations
 
@@ -56,4 +56,13 @@ def test_serve_defaults_to_the_built_in_model_and_warns_past_the_trained_context
         ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == [moeswap.DEFAULT_MODEL.stem, "local"]
     assert main(["serve", "-c", "512"]) == 0  # within the trained context: no warning
-    assert "warning" not in capsys.readouterr().err
+    assert "positions this model was trained for" not in capsys.readouterr().err
+
+
+def test_ctx_defaults_to_the_trained_context_when_shorter(tmp_path):
+    import moeswap
+    from moeswap.cli.common_args import DEFAULT_CTX, default_ctx
+
+    assert default_ctx(moeswap.DEFAULT_MODEL) == 1024  # trained on 1,024 positions
+    assert default_ctx(write_model(tmp_path, TEMPLATE)) == 128  # its context_length
+    assert default_ctx(tmp_path / "missing.gguf") == DEFAULT_CTX == 4096

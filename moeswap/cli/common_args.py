@@ -39,3 +39,28 @@ def warn_beyond_training(runtime, ctx: int) -> None:
     if trained and ctx > trained:
         print(f"moeswap: warning: --ctx {ctx} is more than the {trained} positions this model "
               "was trained for; text past them may degrade", file=sys.stderr)
+
+
+DEFAULT_CTX = 4096
+
+
+def default_ctx(model) -> int:
+    """--ctx when none is given: 4096, or the model's trained context when shorter (read from
+    the GGUF header or config.json; a model that states none gets 4096)."""
+    from pathlib import Path
+
+    from moeswap.formats.config import config_from_gguf, config_from_hf
+    from moeswap.formats.gguf_file import GGUFFile
+
+    path = Path(model)
+    if path.is_dir():
+        trained = config_from_hf(path).n_ctx_train
+    elif path.is_file():
+        gguf = GGUFFile.open(path)
+        try:
+            trained = config_from_gguf(gguf).n_ctx_train
+        finally:
+            gguf.close()
+    else:
+        return DEFAULT_CTX  # the loader names the missing file
+    return min(DEFAULT_CTX, trained) if trained else DEFAULT_CTX

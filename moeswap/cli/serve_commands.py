@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moeswap.cli.common_args import (add_model_argument, add_threads_argument,
+from moeswap.cli.common_args import (add_model_argument, add_threads_argument, default_ctx,
                                      warn_beyond_training)
 from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
                                       offload_load_options, offload_settings)
@@ -15,7 +15,7 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
     add_model_argument(p, "a .gguf file or a Hugging Face folder"
                           + ("" if required else " (default: the built-in model, docs/MODEL.md)"),
                        required)
-    p.add_argument("-c", "--ctx", type=int, default=4096, help=ctx_help)
+    p.add_argument("-c", "--ctx", type=int, default=None, help=ctx_help)
     p.add_argument("--ctx-policy", choices=POLICIES, default="error",
                    help="when a prompt outgrows --ctx: refuse it (error), or keep the system "
                         "prompt and the most recent tokens (keep-recent) (error)")
@@ -30,7 +30,8 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    _add_model_arguments(p, "positions per request: prompt and reply (4096)",
+    _add_model_arguments(p, "positions per request: prompt and reply (default: 4096, or the "
+                            "model's trained context when shorter)",
                          ", all requests together", required=False)
     p.add_argument("-a", "--alias", action="append", default=[], metavar="NAME",
                    help="another name requests may give as `model` (repeatable), as a client "
@@ -55,7 +56,8 @@ def register(subparsers) -> None:
     p.set_defaults(handler=run_serve)
 
     c = subparsers.add_parser("chat", help="chat with a model in the terminal, streamed")
-    _add_model_arguments(c, "positions of the whole conversation (4096)")
+    _add_model_arguments(c, "positions of the whole conversation (default: 4096, or the "
+                            "model's trained context when shorter)")
     c.add_argument("--system", default=None, help="a system prompt")
     c.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (512)")
     add_sampling_arguments(c)
@@ -95,6 +97,7 @@ def run_serve(args) -> int:
     import moeswap
 
     args.model = args.model or str(moeswap.DEFAULT_MODEL)
+    args.ctx = args.ctx or default_ctx(args.model)
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
@@ -119,6 +122,7 @@ def run_chat(args) -> int:
     from moeswap.memory import HostCharge
 
     sampling = sampling_params(args)
+    args.ctx = args.ctx or default_ctx(args.model)
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
                           system=args.system, step_tokens=args.step_tokens)
     # a turn's new tokens may fill the context; they are fed a chunk at a time
