@@ -29,8 +29,12 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (Gemma's +1 is already in weight)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x / sqrt(mean(x^2) + eps) * weight over the last dim (Gemma's +1 is already in weight),
+    rounded as ggml's rms_norm: squares summed in float64, the rest in x's precision. A Q8_0
+    product that follows then quantizes the very values llama.cpp quantizes (a one-ulp
+    difference can cross a rounding step: 2.5e-2 on the tiny DeepSeek-V3's q8_0 logits)."""
+    mean = (x * x).double().sum(-1, keepdim=True).div(x.shape[-1]).to(x.dtype)  # [..., 1]
+    return x * (1.0 / torch.sqrt(mean + eps)) * weight
 
 
 class KVCache:
