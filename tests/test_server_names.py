@@ -56,7 +56,14 @@ def test_serve_defaults_to_the_built_in_model_and_warns_past_the_trained_context
         ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == [moeswap.DEFAULT_MODEL.stem, "local"]
     assert main(["serve", "-c", "512"]) == 0  # within the trained context: no warning
-    assert "positions this model was trained for" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "positions this model was trained for" not in err
+    assert "every weight in RAM (no --host-mem); page at http://127.0.0.1:8080/" in err
+    assert main(["serve", "-c", "256", "--host-mem", "40MiB", "--port", "9000"]) == 0
+    summary = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("moeswap serve: --host-mem 40MiB: shared weights")]
+    assert len(summary) == 1 and summary[0].endswith("page at http://127.0.0.1:9000/")
+    assert "host slots" in summary[0]
 
 
 def test_ctx_defaults_to_the_trained_context_when_shorter(tmp_path):

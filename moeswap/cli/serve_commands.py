@@ -83,7 +83,28 @@ def _load(args, charge, recorder=None):
     return runtime
 
 
+def start_summary(runtime, args) -> str:
+    """One line at start: what the host budget holds and where the page is."""
+    from moeswap.memory import format_size
+
+    where = f"http://{args.host}:{args.port}/"
+    stats = runtime.stats()
+    if "tiers" not in stats:
+        return f"moeswap serve: {args.model}: every weight in RAM (no --host-mem); page at {where}"
+    host = stats["tiers"]["host"]
+    experts = host["held_bytes"] - sum(stats[k] for k in ("shared_bytes", "kv_bytes",
+                                                          "working_bytes"))
+    device = stats["tiers"]["device"]
+    return (f"moeswap serve: --host-mem {format_size(host['budget_bytes'])}: shared weights "
+            f"{format_size(stats['shared_bytes'])}, KV cache {format_size(stats['kv_bytes'])}, "
+            f"working memory {format_size(stats['working_bytes'])}, experts and staging "
+            f"{format_size(experts)} ({host['slots']} host slots"
+            + (f", {device['slots']} device slots" if device["slots"] else "")
+            + f"); page at {where}")
+
+
 def run_serve(args) -> int:
+    import sys
     from pathlib import Path
 
     import uvicorn
@@ -91,10 +112,11 @@ def run_serve(args) -> int:
     from moeswap.server.activity import ExpertActivity
     from moeswap.server.app import ServerOptions, create_app
     from moeswap.server.batching import BatchOptions
-    from moeswap.server.budget import batch_charge
-    from moeswap.memory import parse_size
+    from rich.console import Console
 
     import moeswap
+    from moeswap.memory import parse_size
+    from moeswap.server.budget import batch_charge
 
     args.model = args.model or str(moeswap.DEFAULT_MODEL)
     args.ctx = args.ctx or default_ctx(args.model)
@@ -106,8 +128,10 @@ def run_serve(args) -> int:
                             api_key=args.api_key, max_body=parse_size(args.max_body),
                             bind_host=args.host, allow_hosts=tuple(args.allow_host))
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
-    runtime = _load(args, batch_charge(batch), activity)
+    with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
+        runtime = _load(args, batch_charge(batch), activity)
     warn_beyond_training(runtime, args.ctx)
+    print(start_summary(runtime, args), file=sys.stderr)
     uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
                 log_level="info")
     return 0
