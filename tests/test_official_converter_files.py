@@ -237,7 +237,7 @@ def test_gpt_oss_official_mxfp4_file_matches_llama_cpp(gpt_oss_mxfp4):
 @pytest.mark.llama_cpp
 def test_gpt_oss_official_q8_0_mxfp4_file_matches_llama_cpp(gpt_oss_mxfp4):
     """Every product here rounds its input to Q8_0 first (in both programs), so a one-ulp
-    difference upstream (torch's norm or attention sums vs ggml's) can move one element across
+    difference upstream (torch's sums against ggml's) can move one element across
     a rounding step. On this file that happens once, in one key/value row of a 4-token-window
     layer: the 4 positions that row reaches differ by 6.7e-3 relative (the clamped SwiGLU,
     with inputs near its limits, amplifies it); every other position is bit-identical."""
