@@ -68,6 +68,8 @@ class Event:
     token: int | None = None
     finish_reason: str | None = None
     error: str | None = None
+    logprob: float | None = None  # the token's, when the request asked for logprobs
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens and their logprobs
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Request:
     fed: int = 0  # tokens of ``ids`` already in the cache
     generated: int = 0
     cancelled: bool = False
+    logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
 
     def cancel(self) -> None:
         """Leave the batch before its next step (safe from any thread)."""
@@ -106,6 +109,16 @@ class Counters:
         now = time.monotonic()
         tokens = sum(n for t, n in list(self.recent) if now - t <= window)
         return tokens / window
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> Event:
+    """logits [V] -> the token's event with its log-probability under the model's own
+    distribution (before the sampler's filters and temperature, as OpenAI reports it) and
+    the ``top`` most likely tokens' (llama-server's n_probs)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    values, ids = torch.topk(logp, top) if top else (logp[:0], logp[:0].long())  # [top]
+    return Event(token=token, logprob=float(logp[token]),
+                 top=tuple(zip(ids.tolist(), values.tolist())))
 
 
 def heap_trimmer() -> Callable[[], None]:
@@ -161,7 +174,8 @@ class BatchScheduler:
         return len(self._active)
 
     def submit(self, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler,
-               stop_ids: frozenset[int], on_event: Callable[[Event], None]) -> Request:
+               stop_ids: frozenset[int], on_event: Callable[[Event], None],
+               logprobs: int | None = None) -> Request:
         """Queue a request; its tokens arrive through ``on_event``. The caller has already
         fitted the prompt into the context (moeswap.context_window)."""
         if not prompt_ids:
@@ -172,7 +186,7 @@ class BatchScheduler:
         if not self.alive:
             raise NotRunning("the batching loop is not running; restart the server")
         request = Request(list(prompt_ids), max_tokens, sampler, stop_ids, on_event,
-                          ids=list(prompt_ids))
+                          ids=list(prompt_ids), logprobs=logprobs)
         with self._wake:
             if len(self._waiting) >= self.options.queue_size:
                 self._drop_cancelled_waiting()
@@ -268,7 +282,8 @@ class BatchScheduler:
             request.ids.append(token)
             request.generated += 1
             produced += 1
-            self._emit(request, Event(token=token))
+            self._emit(request, Event(token=token) if request.logprobs is None else
+                       token_logprobs(rows[-1], token, request.logprobs))
             if request.generated >= request.max_tokens or len(request.ids) >= self.options.ctx:
                 self._finish(request, "length")
         c = self.counters

@@ -27,6 +27,9 @@ class Piece:
     text: str = ""
     finish_reason: str | None = None  # set on the choice's last piece
     completion_tokens: int = 0  # set on the last piece
+    # with logprobs: the token events since the previous piece (their text is in this one's,
+    # or held back by a stop string)
+    tokens: tuple[Event, ...] = ()
 
 
 class StopStrings:
@@ -61,7 +64,9 @@ class Choices:
     any already queued, when the queue cannot take all n); ``pieces`` streams their text."""
 
     def __init__(self, scheduler: BatchScheduler, tokenizer: Tokenizer, prompt_ids: list[int], *,
-                 n: int, max_tokens: int, params: SamplingParams, stops: Sequence[str]):
+                 n: int, max_tokens: int, params: SamplingParams, stops: Sequence[str],
+                 logprobs: int | None = None):
+        """logprobs: alternatives to report per token (None: no logprobs)."""
         loop = asyncio.get_running_loop()
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
@@ -78,7 +83,7 @@ class Choices:
 
                 self.requests.append(scheduler.submit(
                     prompt_ids, max_tokens=max_tokens, sampler=Sampler(seeded),
-                    stop_ids=tokenizer.stop_ids, on_event=on_event))
+                    stop_ids=tokenizer.stop_ids, on_event=on_event, logprobs=logprobs))
         except BaseException:
             self.cancel()
             raise
@@ -92,6 +97,7 @@ class Choices:
         texts = [self.tokenizer.stream(self.prompt_ids) for _ in range(n)]
         cuts = [StopStrings(self.stops) for _ in range(n)]
         counts = [0] * n
+        held: list[list[Event]] = [[] for _ in range(n)]  # token events not yet on a piece
         running = n
         try:
             while running:
@@ -103,15 +109,25 @@ class Choices:
                     raise GenerationFailed(event.error)
                 if event.token is not None:
                     counts[index] += 1
+                    if event.logprob is not None:
+                        held[index].append(event)
                     text = cut.push(texts[index].push(event.token))
                     if cut.stopped:
                         self.requests[index].cancel()
                         running -= 1
-                        yield Piece(index, text, "stop", counts[index])
+                        yield Piece(index, text, "stop", counts[index], _take(held[index]))
                     elif text:
-                        yield Piece(index, text)
+                        yield Piece(index, text, tokens=_take(held[index]))
                     continue
                 running -= 1
-                yield Piece(index, cut.flush(), event.finish_reason, counts[index])
+                yield Piece(index, cut.flush(), event.finish_reason, counts[index],
+                            _take(held[index]))
         finally:
             self.cancel()
+
+
+def _take(events: list[Event]) -> tuple[Event, ...]:
+    """The held events, and the list emptied."""
+    taken = tuple(events)
+    events.clear()
+    return taken

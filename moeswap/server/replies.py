@@ -13,13 +13,17 @@ from fastapi.responses import JSONResponse
 
 from moeswap.server.api_errors import ApiError, error_body
 from moeswap.server.choices import Choices, GenerationFailed, Piece
+from moeswap.tokenizer import Tokenizer
 
 
 class Reply:
     """Builds the OpenAI response objects of one call."""
 
-    def __init__(self, kind: str, id: str, model: str, prompt_tokens: int):
+    def __init__(self, kind: str, id: str, model: str, prompt_tokens: int,
+                 tokenizer: Tokenizer | None = None):
+        """tokenizer: spells the tokens of logprobs (None: the call asked for none)."""
         self.kind, self.id, self.model, self.prompt_tokens = kind, id, model, prompt_tokens
+        self.tokenizer = tokenizer
         self.created = int(time.time())
 
     @property
@@ -33,43 +37,73 @@ class Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": self.prompt_tokens + completion_tokens}
 
+    def _logprobs(self, events, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these token events: chat's ``content`` list, or the
+        completions' parallel lists (``offset``: characters of the choice's text before them)."""
+        if self.tokenizer is None:
+            return None
+        spell = lambda token: self.tokenizer.decode([token], skip_special=False)  # noqa: E731
+
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": spell(token), "logprob": logprob, "bytes": list(spell(token).encode())}
+
+        if self.chat:
+            return {"content": [{**entry(e.token, e.logprob),
+                                 "top_logprobs": [entry(t, lp) for t, lp in e.top]}
+                                for e in events]}
+        offsets, at = [], offset
+        for e in events:
+            offsets.append(at)
+            at += len(spell(e.token))
+        return {"tokens": [spell(e.token) for e in events],
+                "token_logprobs": [e.logprob for e in events],
+                "top_logprobs": [{spell(t): lp for t, lp in e.top} for e in events],
+                "text_offset": offsets}
+
     def whole(self, pieces: list[Piece], n: int) -> dict:
         texts, finish, used = [""] * n, [None] * n, 0
+        events: list[list] = [[] for _ in range(n)]
         for p in pieces:
             texts[p.index] += p.text
+            events[p.index] += p.tokens
             if p.finish_reason is not None:
                 finish[p.index] = p.finish_reason
                 used += p.completion_tokens
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                        "logprobs": None, "finish_reason": finish[i]} for i in range(n)]
+                        "logprobs": self._logprobs(events[i]), "finish_reason": finish[i]}
+                       for i in range(n)]
         else:
-            choices = [{"index": i, "text": texts[i], "logprobs": None,
+            choices = [{"index": i, "text": texts[i], "logprobs": self._logprobs(events[i]),
                         "finish_reason": finish[i]} for i in range(n)]
         return {**self._head(self.kind), "choices": choices, "usage": self._usage(used)}
 
     def _chunk(self, index: int, text: str | None, finish_reason: str | None,
-               role: bool = False) -> dict:
+               role: bool = False, logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else \
                 ({"content": text} if text is not None else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish_reason}
         return {**self._head("text_completion"), "choices": [choice]}
 
     async def sse(self, choices: Choices, n: int, include_usage: bool) -> AsyncIterator[str]:
         def event(obj: dict) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        used = 0
+        used, sent = 0, [0] * n  # characters of each choice sent: completions' text_offset
         try:
             if self.chat:
                 for i in range(n):
                     yield event(self._chunk(i, None, None, role=True))
             async for p in choices.pieces():
-                if p.text:
-                    yield event(self._chunk(p.index, p.text, None))
+                if p.text or p.tokens:
+                    yield event(self._chunk(p.index, p.text, None,
+                                            logprobs=self._logprobs(p.tokens, sent[p.index])))
+                    sent[p.index] += len(p.text)
                 if p.finish_reason is not None:
                     used += p.completion_tokens
                     yield event(self._chunk(p.index, None, p.finish_reason))

@@ -130,13 +130,15 @@ class Routes:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
             choices = Choices(self.state.scheduler, self.state.runtime.tokenizer, ids, n=body.n,
-                              max_tokens=max_tokens or ctx, params=params, stops=stops)
+                              max_tokens=max_tokens or ctx, params=params, stops=stops,
+                              logprobs=body.logprob_alternatives)
         except QueueFull as e:
             raise ApiError(429, str(e), type="requests", code="rate_limit_exceeded") from None
         except NotRunning as e:
             raise ApiError(503, str(e), type="server_error") from None
         # the name the client asked for, as OpenAI echoes it (an alias included)
-        reply = Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", body.model, len(ids))
+        reply = Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", body.model, len(ids),
+                      None if body.logprob_alternatives is None else self.state.runtime.tokenizer)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             stream = reply.sse(choices, body.n, include_usage)

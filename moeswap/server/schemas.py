@@ -2,7 +2,7 @@
 
 Strict: a wrong JSON type ("max_tokens": "10", "stream": "yes") is a 400, not silently
 converted. Unknown fields are ignored, as OpenAI clients send many optional ones; fields that
-would change the output and are not built here (logprobs, echo, best_of, tools, response_format,
+would change the output and are not built here (echo, best_of, tools, response_format,
 logit_bias ...) are refused by name in ``unsupported_fields``.
 Sampling defaults are OpenAI's (temperature 1, top_p 1), not llama.cpp's; ``top_k``, ``min_p``
 and ``repeat_penalty`` are llama-server's extensions, off by default.
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # Sampling at a temperature this close to 0 is greedy decoding (its limit); dividing the
 # logits by it would overflow float32 and make every probability NaN.
 MIN_TEMPERATURE = 1e-3
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools",
-               "tool_choice", "functions", "function_call", "response_format")
+UNSUPPORTED = ("echo", "best_of", "suffix", "logit_bias", "tools", "tool_choice", "functions",
+               "function_call", "response_format")
 
 
 class _Body(BaseModel):
@@ -54,6 +54,12 @@ class SamplingBody(_Body):
 class CompletionBody(SamplingBody):
     prompt: str | list[int]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: int | None = Field(None, ge=0, le=5)  # the chosen token's and this many others'
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives to report per token; None: no logprobs."""
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -78,6 +84,13 @@ class Message(BaseModel):
 
 class ChatBody(SamplingBody):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives to report per token; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
     max_completion_tokens: int | None = Field(None, ge=1)
 
     @property
