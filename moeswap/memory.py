@@ -146,5 +146,6 @@ class HostCharge:
                          "(--step-tokens)")
         if terms["lowbit_bytes"]:
             fixes.append("no --miss-lowbit copies")
-        return (f"--host-mem {format_size(host_bytes)} is below {', '.join(parts[:-1])} and "
-                f"{parts[-1]}, which stay in RAM. Give " + "; or ".join(fixes))
+        listed = f"{', '.join(parts[:-1])} and {parts[-1]}" if len(parts) > 1 else parts[0]
+        return (f"--host-mem {format_size(host_bytes)} is below {listed}, which stay in RAM. "
+                "Give " + "; or ".join(fixes))
