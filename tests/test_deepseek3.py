@@ -199,3 +199,20 @@ def test_tools_and_store_hold_the_selection_bias_as_a_shared_weight(files):
     model, factory = store_model(path, len(layers))
     assert torch.equal(decode_logits(model), resident)
     assert factory.stats()["total"]["disk_misses"] > 0
+
+
+def test_multi_token_prediction_layer_is_skipped(tmp_path):
+    """DeepSeek-V3 publishes layer 61 (of 61) as its MTP module: llama.cpp's converter skips
+    layers from num_hidden_layers on, and so does the folder loader."""
+    from safetensors.torch import load_file, save_file
+
+    reference = tiny_models.save("deepseek3", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    d = tiny_models.COMMON["hidden_size"]
+    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        tensors[f"model.layers.3.{name}"] = torch.ones(d)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(d, 2 * d)
+    tensors["model.layers.3.self_attn.q_a_proj.weight"] = torch.zeros(48, d)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    expected = tiny_models.reference_logits(reference, PROMPT.tolist())
+    assert relative_error(moeswap_logits(tmp_path), expected) <= 1e-4

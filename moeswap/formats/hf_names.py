@@ -121,6 +121,7 @@ RULES = (
 )
 
 _COMPILED = tuple((re.compile(rule.hf), rule) for rule in RULES)
+_LAYER = re.compile(_L)
 
 # HF tensors llama.cpp's converter drops (recomputed at load time), and MXFP4 scales (read with
 # their blocks).
@@ -143,8 +144,10 @@ class Part:
     expert: int | None = None  # op "expert": this HF tensor is expert `expert` of the stack
 
 
-def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
-    """GGUF name -> its parts (per-expert parts sorted by expert). Unknown names are an error."""
+def plan(hf_names: Iterable[str], arch: str, n_layer: int | None = None) -> dict[str, list[Part]]:
+    """GGUF name -> its parts (per-expert parts sorted by expert). Unknown names are an error.
+    Layers from ``n_layer`` on are multi-token-prediction layers (DeepSeek-V3's layer 61):
+    skipped, as llama.cpp's converter skips them."""
     result: dict[str, list[Part]] = {}
     unknown = []
     rules = _rules(arch)
@@ -152,6 +155,9 @@ def plan(hf_names: Iterable[str], arch: str) -> dict[str, list[Part]]:
         if _IGNORED.match(hf_name) or _OTHER_MODALITIES.match(hf_name):
             continue
         text_name = _text_model_name(hf_name)
+        layer = _LAYER.match(text_name)
+        if n_layer is not None and layer and int(layer.group(1)) >= n_layer:
+            continue
         matched = False
         for pattern, rule in rules:
             m = pattern.fullmatch(text_name)

@@ -28,7 +28,7 @@ class SafetensorsWeights:
         self.config = config or config_from_hf(self.folder)
         self._shard_of = _shard_map(self.folder)
         self._handles: dict[str, object] = {}
-        self.plan = hf_names.plan(self._shard_of, self.config.arch)
+        self.plan = hf_names.plan(self._shard_of, self.config.arch, self.config.n_layer)
 
     def names(self) -> list[str]:
         return list(self.plan)
