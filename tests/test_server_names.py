@@ -4,6 +4,8 @@ context when shorter than 4096, and a warning when --ctx passes it."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from moeswap.cli import main
@@ -46,24 +48,45 @@ def test_serve_defaults_to_the_built_in_model_and_warns_past_the_trained_context
     import moeswap
 
     served = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app, **kw))
-    assert main(["serve", "-c", "4096", "-a", "local", "-t", "1"]) == 0
-    assert served["host"] == "127.0.0.1"
+
+    def run(server, sockets):
+        served.update(app=server.config.app, address=sockets[0].getsockname()[:2])
+        sockets[0].close()
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    assert main(["serve", "-c", "4096", "-a", "local", "-t", "1", "--port", "0"]) == 0
+    assert served["address"][0] == "127.0.0.1"
     assert "--ctx 4096 is more than the 1024 positions" in capsys.readouterr().err
     from fastapi.testclient import TestClient
 
     with TestClient(served["app"], base_url="http://127.0.0.1") as client:
         ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert ids == [moeswap.DEFAULT_MODEL.stem, "local"]
-    assert main(["serve", "-c", "512"]) == 0  # within the trained context: no warning
+    assert main(["serve", "-c", "512", "--port", "0"]) == 0  # within the trained context
     err = capsys.readouterr().err
     assert "positions this model was trained for" not in err
-    assert "every weight in RAM (no --host-mem); page at http://127.0.0.1:8080/" in err
-    assert main(["serve", "-c", "256", "--host-mem", "40MiB", "--port", "9000"]) == 0
+    assert re.search(r"every weight in RAM \(no --host-mem\); page at http://127.0.0.1:\d+/$", err,
+                     re.M)
+    assert main(["serve", "-c", "256", "--host-mem", "40MiB", "--port", "0"]) == 0
     summary = [line for line in capsys.readouterr().err.splitlines()
                if line.startswith("moeswap serve: --host-mem 40MiB: shared weights")]
-    assert len(summary) == 1 and summary[0].endswith("page at http://127.0.0.1:9000/")
+    assert len(summary) == 1 and re.search(r"page at http://127.0.0.1:[1-9]\d*/$", summary[0])
     assert "host slots" in summary[0]
+
+
+def test_a_busy_port_is_reported_before_loading(monkeypatch, capsys):
+    import socket
+
+    from moeswap.cli import serve_commands
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    monkeypatch.setattr(serve_commands, "_load", lambda *a: pytest.fail("loaded the model"))
+    port = str(taken.getsockname()[1])
+    assert main(["serve", "--port", port]) == 2
+    assert f"--port {port}: cannot listen there" in capsys.readouterr().err
+    taken.close()
 
 
 def test_ctx_defaults_to_the_trained_context_when_shorter(tmp_path):

@@ -83,11 +83,28 @@ def _load(args, charge, recorder=None):
     return runtime
 
 
-def start_summary(runtime, args) -> str:
+def listen(host: str, port: int):
+    """A socket bound to (host, port), before the model loads: a port in use is one line now."""
+    import socket
+
+    from moeswap.errors import MoeswapError
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise MoeswapError(f"--host {host} --port {port}: cannot listen there "
+                           f"({e.strerror or e}); give another --port, or stop what uses it")
+    return sock
+
+
+def start_summary(runtime, args, port: int) -> str:
     """One line at start: what the host budget holds and where the page is."""
     from moeswap.memory import format_size
 
-    where = f"http://{args.host}:{args.port}/"
+    where = f"http://{args.host}:{port}/"
     stats = runtime.stats()
     if "tiers" not in stats:
         return f"moeswap serve: {args.model}: every weight in RAM (no --host-mem); page at {where}"
@@ -120,6 +137,7 @@ def run_serve(args) -> int:
 
     args.model = args.model or str(moeswap.DEFAULT_MODEL)
     args.ctx = args.ctx or default_ctx(args.model)
+    listening = listen(args.host, args.port)  # a busy port is said now, not after loading
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
@@ -131,9 +149,10 @@ def run_serve(args) -> int:
     with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
         runtime = _load(args, batch_charge(batch), activity)
     warn_beyond_training(runtime, args.ctx)
-    print(start_summary(runtime, args), file=sys.stderr)
-    uvicorn.run(create_app(runtime, options, activity), host=args.host, port=args.port,
-                log_level="info")
+    print(start_summary(runtime, args, listening.getsockname()[1]), file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(create_app(runtime, options, activity),
+                                           log_level="info"))
+    server.run(sockets=[listening])
     return 0
 
 
