@@ -82,7 +82,6 @@ def test_turns_reset_and_stats(tiny_path, runtime, monkeypatch, capsys):
     first = [{"role": "system", "content": "hh"}, {"role": "user", "content": "bcd"}]
     r1 = reply(runtime, first)
     second = first + [{"role": "assistant", "content": r1}, {"role": "user", "content": "efg"}]
-    r2 = reply(runtime, second)
     lines = out.split("\n")
     assert lines[:3] == [HELP, printed(runtime, first), printed(runtime, second)]
     assert lines[3].startswith("prompt: ") and "tokens/s" in lines[3]
