@@ -52,6 +52,16 @@ def _configs():
                      n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
                      scoring_func="sigmoid", topk_method="noaux_tc",
                      rope_parameters=dict(deepseek2["rope_parameters"], mscale=1.0, mscale_all_dim=1.0))
+    # GLM-4.5's shape: DeepSeek-V3's routing without groups (drawn bias: build()), a leading
+    # dense layer, half-rotary heads, Q/K/V biases and q/k norms (GLM-4.5 355B has them), one
+    # MTP layer counted in the config and absent from the weights (a trunk-only folder).
+    glm4moe = dict(COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=96,
+                   moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=3,
+                   n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                   norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+                   num_nextn_predict_layers=1,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.5})
     gemma4 = dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
                   num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
                   enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -104,6 +114,7 @@ def _configs():
                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True},
                          **moe)),
         "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM, gemma4),
+        "glm4moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, glm4moe),
         "gemma4_multimodal": (_multimodal(tf.Gemma4Config, tf.Gemma4TextConfig),
                               tf.Gemma4ForConditionalGeneration, gemma4),
     }
@@ -134,13 +145,21 @@ def build(family: str, seed: int = 0, **overrides):
             for name, b in model.named_buffers():
                 if name.endswith("layer_scalar"):
                     b.uniform_(0.5, 1.5)
-    if family == "deepseek3":
+    if family in ("deepseek3", "glm4moe"):
         # The selection bias starts at zero; draw it as wide as the sigmoid scores' spread so
         # that it changes which experts are chosen (tests/test_deepseek3.py asserts it does).
         with torch.no_grad():
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.normal_(0.0, 0.2)
+    if family == "glm4moe":
+        # Attention biases start at zero and q/k norms at one; make both matter.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("proj.bias"):
+                    p.normal_(0.0, 0.5)
+                elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
     if family == "gpt_oss":
         # Expert biases start at zero and sinks near it; make both matter. Larger expert
         # inputs make the SwiGLU clamps (|x| > 7) bite on some elements.

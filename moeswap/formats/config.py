@@ -44,6 +44,7 @@ ARCH_TRAITS = {
     "gpt-oss": ArchTraits(rope_neox=True, expert_weights_norm=False, swa_pattern=2,
                           expert_act="swiglu_oai", gating="softmax_topk"),
     "gemma4": ArchTraits(rope_neox=True, expert_weights_norm=True, swa_pattern=6, expert_act="gelu"),
+    "glm4moe": ArchTraits(rope_neox=True, expert_weights_norm=False, gating="sigmoid"),
 }
 
 # HF ``architectures[0]`` -> GGUF ``general.architecture``.
@@ -63,6 +64,7 @@ HF_ARCHITECTURES = {
     "GptOssForCausalLM": "gpt-oss",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "Glm4MoeForCausalLM": "glm4moe",  # GLM-4.5 / 4.5-Air / 4.6
 }
 
 

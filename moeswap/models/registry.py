@@ -7,6 +7,7 @@ from types import ModuleType
 import moeswap.models.deepseek2 as deepseek2
 import moeswap.models.gemma3 as gemma3
 import moeswap.models.gemma4 as gemma4
+import moeswap.models.glm4moe as glm4moe
 import moeswap.models.gpt_oss as gpt_oss
 import moeswap.models.granitemoe as granitemoe
 import moeswap.models.llama as llama
@@ -24,6 +25,7 @@ FAMILIES: dict[str, ModuleType] = {
     "deepseek2": deepseek2,
     "gpt-oss": gpt_oss,
     "gemma4": gemma4,
+    "glm4moe": glm4moe,
 }
 
 

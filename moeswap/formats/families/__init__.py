@@ -11,6 +11,7 @@ from __future__ import annotations
 import moeswap.formats.families.deepseek2 as deepseek2
 import moeswap.formats.families.gemma3 as gemma3
 import moeswap.formats.families.gemma4 as gemma4
+import moeswap.formats.families.glm4moe as glm4moe
 import moeswap.formats.families.gpt_oss as gpt_oss
 import moeswap.formats.families.granitemoe as granitemoe
 import moeswap.formats.families.llama as llama
@@ -29,4 +30,5 @@ FAMILIES: dict[str, FamilyHooks] = {
     "deepseek2": deepseek2.HOOKS,
     "gpt-oss": gpt_oss.HOOKS,
     "gemma4": gemma4.HOOKS,
+    "glm4moe": glm4moe.HOOKS,
 }
