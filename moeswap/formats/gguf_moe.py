@@ -33,7 +33,7 @@ ARCH_KEY_TYPES: dict[str, GGUFValueType] = {
     "rope.dimension_count": U32,
     "expert_count": U32, "expert_used_count": U32, "expert_shared_count": U32,
     "expert_feed_forward_length": U32, "expert_shared_feed_forward_length": U32,
-    "leading_dense_block_count": U32, "interleave_moe_layer_step": U32,
+    "leading_dense_block_count": U32, "interleave_moe_layer_step": U32, "nextn_predict_layers": U32,
     "expert_group_count": U32, "expert_group_used_count": U32, "expert_gating_func": U32,
     "expert_weights_scale": F32, "expert_weights_norm": BOOL,
     "attention.layer_norm_rms_epsilon": F32, "attention.layer_norm_epsilon": F32,
@@ -181,6 +181,7 @@ class MoEMetadata:
     expert_gating_func: int | None
     expert_weights_scale: float | None
     expert_weights_norm: bool | None
+    nextn_predict_layers: int | None = None  # GLM-4.5's MTP layers, last in block_count
 
     @property
     def gating_func_name(self) -> str | None:
@@ -219,6 +220,7 @@ def read_metadata(gf: GGUFFile) -> MoEMetadata:
         expert_weights_scale=(float(scale) if isinstance(scale, (int, float))
                               and not isinstance(scale, bool) else None),
         expert_weights_norm=norm if isinstance(norm, bool) else None,
+        nextn_predict_layers=_int_value(gf, "nextn_predict_layers"),
     )
 
 

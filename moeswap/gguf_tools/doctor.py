@@ -225,6 +225,11 @@ def check_layer_sequence(gf, view):
     present = {layer.index for layer in view.layers}
     n_blocks = view.metadata.block_count
     expected = n_blocks if n_blocks is not None else max(present, default=-1) + 1
+    # A "trunk-only" GLM-4.5 file counts its MTP layers in block_count without their tensors;
+    # llama.cpp loads it (they are optional when the probe tensor is absent).
+    nextn = view.metadata.nextn_predict_layers or 0
+    if nextn and not any(i >= expected - nextn for i in present):
+        expected -= nextn
     n_missing = expected - sum(1 for i in present if i < expected)
     if n_missing:
         # Lazily: a corrupt block_count can be 2**32 - 1.
