@@ -82,10 +82,12 @@ def test_the_files_carry_glm_routing_and_the_mtp_layer(files):
     variant, _, _, paths = files
     for path in paths.values():
         gguf = GGUFFile.open(path)
-        assert gguf.get("glm4moe.block_count") == 4 and gguf.get("glm4moe.nextn_predict_layers") == 1
+        assert gguf.get("glm4moe.block_count") == 4
+        assert gguf.get("glm4moe.nextn_predict_layers") == 1
         assert (gguf.tensor("blk.3.nextn.eh_proj.weight") is not None) == (variant == "mtp")
         config = config_from_gguf(gguf)
-        assert (config.n_layer, config.n_layer_dense_lead, config.n_rot, config.head_dim) == (3, 1, 8, 16)
+        shape = (config.n_layer, config.n_layer_dense_lead, config.n_rot, config.head_dim)
+        assert shape == (3, 1, 8, 16)
         assert config.gating == "sigmoid" and config.expert_weights_norm and config.rope_neox
         assert config.expert_weights_scale == 2.5
         assert gguf.tensor("blk.1.exp_probs_b.bias") is not None

@@ -121,7 +121,8 @@ def _configs():
 
 
 FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "granitemoeshared", "gemma3",
-            "deepseek2", "deepseek2_lite", "deepseek3", "gpt_oss", "gemma4", "gemma4_multimodal")
+            "deepseek2", "deepseek2_lite", "deepseek3", "gpt_oss", "gemma4", "gemma4_multimodal",
+            "glm4moe")
 
 
 def build(family: str, seed: int = 0, **overrides):

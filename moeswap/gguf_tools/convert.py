@@ -97,7 +97,9 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
     """The keys convert_hf_to_gguf.py writes for these architectures (TextModel + family)."""
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(folder.name)
-    writer.add_block_count(c.n_layer)
+    # GLM-4.5's MTP layers count in block_count (the reference's default; not written here).
+    writer.add_block_count(c.n_layer + (hf.get("num_nextn_predict_layers") or 0
+                                        if c.arch == "glm4moe" else 0))
     writer.add_context_length(c.n_ctx_train)
     writer.add_embedding_length(c.n_embd)
     if "intermediate_size" in hf:
@@ -127,12 +129,14 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         writer.add_rope_dimension_count(c.n_rot)
     if c.arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(c.n_ff_exp)
-    if c.n_ff_shexp and c.arch != "deepseek2":
+    if c.n_ff_shexp and c.arch not in ("deepseek2", "glm4moe"):
         writer.add_expert_shared_feed_forward_length(c.n_ff_shexp)
     if c.arch == "deepseek2":
         _write_deepseek2(writer, c, hf)
     if c.arch == "gemma4":
         _write_gemma4(writer, c)
+    if c.arch == "glm4moe":
+        _write_glm4moe(writer, c, hf)
     if c.arch == "gpt-oss":
         writer.add_sliding_window(c.sliding_window)
         writer.add_expert_feed_forward_length(c.n_ff_exp)
@@ -205,6 +209,24 @@ def _write_deepseek2(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
     if hf.get("scoring_func") is not None or c.gating == "sigmoid":
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if c.gating == "sigmoid"
                                       else gguf.ExpertGatingFuncType.SOFTMAX)
+
+
+def _write_glm4moe(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
+    """Glm4MoeModel.set_gguf_parameters (MTP layers counted, their tensors not written: a
+    "trunk-only" file, which llama.cpp loads)."""
+    writer.add_expert_group_count(hf.get("n_group", 1))
+    writer.add_expert_group_used_count(hf.get("topk_group", 1))
+    writer.add_rope_dimension_count(c.n_rot)
+    writer.add_expert_feed_forward_length(c.n_ff_exp)
+    writer.add_expert_shared_count(c.n_expert_shared)
+    writer.add_leading_dense_block_count(c.n_layer_dense_lead)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if hf.get("routed_scaling_factor") is not None:
+        writer.add_expert_weights_scale(c.expert_weights_scale)
+    if hf.get("norm_topk_prob") is not None:
+        writer.add_expert_weights_norm(c.expert_weights_norm)
+    if hf.get("num_nextn_predict_layers") is not None:
+        writer.add_nextn_predict_layers(hf["num_nextn_predict_layers"])
 
 
 def _write_gemma4(writer: gguf.GGUFWriter, c: ModelConfig) -> None:
