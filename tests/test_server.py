@@ -135,7 +135,8 @@ def test_models_health_and_greedy_completion(runtime):
     assert body["choices"] == [{"index": 0, "text": text, "logprobs": None,
                                 "finish_reason": "length" if used == 6 else "stop"}]
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": used,
-                             "total_tokens": len(prompt_ids) + used}
+                             "total_tokens": len(prompt_ids) + used,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_completion_and_its_stream_agree(runtime):
@@ -470,6 +471,15 @@ def test_metrics_show_server_and_expert_store_series(tiny_path):
     assert 'moeswap_tier_resident_bytes{tier="host"} ' in text
 
 
+class ListCache(list):
+    """The fed ids, cut back as a KVCache is when the server reuses its prefix."""
+
+    windows = ()  # no sliding-window layers
+
+    def truncate(self, n_tokens: int) -> None:
+        del self[n_tokens:]
+
+
 class CountingModel:
     """A fast stand-in for the engine: the next token is the cache length mod the vocabulary."""
 
@@ -477,7 +487,7 @@ class CountingModel:
         self.vocab = vocab
 
     def new_cache(self):
-        return []
+        return ListCache()
 
     def forward(self, tokens, caches, last_only=False):
         out = []

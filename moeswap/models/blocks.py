@@ -94,6 +94,17 @@ class KVCache:
         """Commit the tokens every layer has appended."""
         self.length += n_tokens
 
+    def truncate(self, n_tokens: int) -> None:
+        """Forget the positions from ``n_tokens`` on: the server reuses a kept cache for a new
+        prompt that shares only its first ``n_tokens``. Full-attention layers only: a
+        sliding-window ring has already overwritten the older positions it would need again."""
+        if n_tokens < self.length and any(self.windows):
+            raise ValueError("a cache with sliding-window layers cannot be cut back")
+        self.length = min(self.length, n_tokens)
+        for slots in self._layers:
+            if slots is not None:  # full layers start at position 0 (base 0): slot p is p
+                slots.end = min(slots.end, self.length)
+
 
 class _LayerSlots:
     """One layer's slots: keys [C, K, E], values [C, K, V], positions [C]. Position p lives in

@@ -9,11 +9,12 @@ for every token that picked it. A step carries at most ``step_tokens`` tokens: r
 one each first, then prompts in order of arrival, a long prompt cut into chunks over several
 steps (chunked prefill) — which bounds a step's working memory (activations, logits) and keeps
 a long prompt from stalling everyone's next token. Each request keeps its own KV cache and
-sampler; a cancelled request (its client went away) leaves the batch before the next step and
-its cache is dropped. A request ends at a stop id, at ``max_tokens``, or when its sequence fills
-``ctx``. After each step, freed heap memory goes back to the system (``malloc_trim`` on glibc):
-otherwise the allocator keeps the steps' and caches' freed blocks, and the process grew with
-every request served (docs/SERVER.md, "Load test").
+sampler; a cancelled request (its client went away) leaves the batch before the next step. A
+request ends at a stop id, at ``max_tokens``, or when its sequence fills ``ctx``; its cache
+stays in its slot for a later prompt with the same prefix (moeswap.server.slots). After each
+step, freed heap memory goes back to the system (``malloc_trim`` on glibc): otherwise the
+allocator keeps the steps' and caches' freed blocks, and the process grew with every request
+served (docs/SERVER.md, "Load test").
 
 Events go back through each request's ``on_event`` callback, called on the batching thread:
 the callback must only hand the event over (put it on a queue), never block.
@@ -34,6 +35,7 @@ import torch
 from moeswap.errors import MoeswapError
 from moeswap.memory import STEP_TOKENS
 from moeswap.sampling import Sampler
+from moeswap.server.slots import Slot, Slots
 
 
 class QueueFull(MoeswapError):
@@ -81,7 +83,9 @@ class Request:
     on_event: Callable[[Event], None]
     ids: list[int] = field(default_factory=list)  # prompt and generated tokens
     cache: Any = None
+    slot: Slot | None = None  # where the cache came from and goes back to
     fed: int = 0  # tokens of ``ids`` already in the cache
+    cached: int = 0  # prompt tokens that were already in the slot's cache
     generated: int = 0
     cancelled: bool = False
     logprobs: int | None = None  # alternatives to report per token (None: no logprobs)
@@ -144,6 +148,7 @@ class BatchScheduler:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._trim_heap = heap_trimmer()
+        self._slots = Slots(options.max_batch, model.new_cache)
 
     def start(self) -> None:
         self._stopping = False
@@ -220,9 +225,11 @@ class BatchScheduler:
                     if request.cancelled:
                         self._finish(request, "cancelled")
                         continue
-                    request.cache = self.model.new_cache()
+                    request.slot, request.cache, request.cached = self._slots.take(request.ids)
+                    request.fed = request.cached
                     self._active.append(request)
                     self.counters.requests_admitted += 1
+                    self.counters.prompt_tokens += len(request.ids)
             try:
                 self._step()
             except Exception as e:  # the loop must outlive any one step
@@ -266,8 +273,6 @@ class BatchScheduler:
             return
         produced = 0
         for (request, n), rows in zip(feeds, logits):
-            if request.fed == 0:
-                self.counters.prompt_tokens += len(request.ids)
             request.fed += n
             if request.fed < len(request.ids):
                 continue  # a prompt chunk: its next chunk comes in a later step
@@ -295,7 +300,9 @@ class BatchScheduler:
     def _finish(self, request: Request, reason: str | None, error: str | None = None) -> None:
         if request in self._active:
             self._active.remove(request)
-        request.cache = None  # the KV cache goes with the request
+        if request.slot is not None:  # its cache stays in the slot, unless a step failed in it
+            self._slots.give_back(request.slot, request.ids[:request.fed], keep=error is None)
+            request.slot = request.cache = None
         key = reason or "error"
         self.counters.requests_finished[key] = self.counters.requests_finished.get(key, 0) + 1
         self._emit(request, Event(finish_reason=reason, error=error))

@@ -30,6 +30,7 @@ class Piece:
     # with logprobs: the token events since the previous piece (their text is in this one's,
     # or held back by a stop string)
     tokens: tuple[Event, ...] = ()
+    cached_tokens: int = 0  # set on the last piece: prompt tokens reused from a kept cache
 
 
 class StopStrings:
@@ -115,13 +116,14 @@ class Choices:
                     if cut.stopped:
                         self.requests[index].cancel()
                         running -= 1
-                        yield Piece(index, text, "stop", counts[index], _take(held[index]))
+                        yield Piece(index, text, "stop", counts[index], _take(held[index]),
+                                    self.requests[index].cached)
                     elif text:
                         yield Piece(index, text, tokens=_take(held[index]))
                     continue
                 running -= 1
                 yield Piece(index, cut.flush(), event.finish_reason, counts[index],
-                            _take(held[index]))
+                            _take(held[index]), self.requests[index].cached)
         finally:
             self.cancel()
 

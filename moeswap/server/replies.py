@@ -33,9 +33,11 @@ class Reply:
     def _head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _usage(self, completion_tokens: int) -> dict:
+    def _usage(self, completion_tokens: int, cached: int) -> dict:
+        """cached: prompt tokens reused from a kept KV cache (the most any choice reused)."""
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _logprobs(self, events, offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for these token events: chat's ``content`` list, or the
@@ -61,7 +63,7 @@ class Reply:
                 "text_offset": offsets}
 
     def whole(self, pieces: list[Piece], n: int) -> dict:
-        texts, finish, used = [""] * n, [None] * n, 0
+        texts, finish, used, cached = [""] * n, [None] * n, 0, 0
         events: list[list] = [[] for _ in range(n)]
         for p in pieces:
             texts[p.index] += p.text
@@ -69,6 +71,7 @@ class Reply:
             if p.finish_reason is not None:
                 finish[p.index] = p.finish_reason
                 used += p.completion_tokens
+                cached = max(cached, p.cached_tokens)
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                         "logprobs": self._logprobs(events[i]), "finish_reason": finish[i]}
@@ -76,7 +79,7 @@ class Reply:
         else:
             choices = [{"index": i, "text": texts[i], "logprobs": self._logprobs(events[i]),
                         "finish_reason": finish[i]} for i in range(n)]
-        return {**self._head(self.kind), "choices": choices, "usage": self._usage(used)}
+        return {**self._head(self.kind), "choices": choices, "usage": self._usage(used, cached)}
 
     def _chunk(self, index: int, text: str | None, finish_reason: str | None,
                role: bool = False, logprobs: dict | None = None) -> dict:
@@ -94,7 +97,7 @@ class Reply:
         def event(obj: dict) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        used, sent = 0, [0] * n  # characters of each choice sent: completions' text_offset
+        used, cached, sent = 0, 0, [0] * n  # sent: characters of each choice, text_offset
         try:
             if self.chat:
                 for i in range(n):
@@ -106,10 +109,11 @@ class Reply:
                     sent[p.index] += len(p.text)
                 if p.finish_reason is not None:
                     used += p.completion_tokens
+                    cached = max(cached, p.cached_tokens)
                     yield event(self._chunk(p.index, None, p.finish_reason))
             if include_usage:
                 head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-                yield event({**head, "choices": [], "usage": self._usage(used)})
+                yield event({**head, "choices": [], "usage": self._usage(used, cached)})
         except GenerationFailed as e:
             yield event(error_body(str(e), "server_error"))
         yield "data: [DONE]\n\n"
