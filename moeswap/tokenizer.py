@@ -25,7 +25,7 @@ import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from moeswap.errors import MoeswapError
-from moeswap.formats.byte_level_bpe import (SPLITS, byte_level_pre_tokenizer,
+from moeswap.formats.byte_level_bpe import (IGNORE_MERGES, SPLITS, byte_level_pre_tokenizer,
                                            keep_plain_text_control_tokens)
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.special_text import SpecialTexts
@@ -286,8 +286,10 @@ def convert_gguf_vocabulary(gguf: GGUFFile) -> tokenizers.Tokenizer:
     if vocabulary["tokenizer_type"] == "gemma4":
         _set_gemma4_newline_rule(backend)
     if vocabulary["tokenizer_type"] == "gpt2" and vocabulary.get("pre_tokenizer_type") in SPLITS:
-        # pre-types transformers does not know (DeepSeek-V3, Kimi-K2): llama.cpp's splits
+        # pre-types transformers does not know (DeepSeek-V3, Kimi-K2, GLM): llama.cpp's splits
         backend.pre_tokenizer = byte_level_pre_tokenizer(vocabulary["pre_tokenizer_type"])
+        if vocabulary["pre_tokenizer_type"] in IGNORE_MERGES:  # whole-word vocabulary hits first
+            backend.model.ignore_merges = True
     if vocabulary["tokenizer_type"] == "gpt2":
         backend = keep_plain_text_control_tokens(backend, vocabulary["tokens"],
                                                  vocabulary.get("token_type"))

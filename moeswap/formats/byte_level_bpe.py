@@ -39,10 +39,22 @@ _KIMI_K2 = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 
+# GLM-4.5 / 4.6 / 4.7 and GLM-5 (pre "glm4" / "glm5", LLAMA_VOCAB_PRE_TYPE_CHATGLM4): GPT-4-style
+# words, digits in threes, punctuation and whitespace.
+_GLM4 = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
 SPLITS: dict[str, tuple[str, ...]] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "kimi-k2": _KIMI_K2,
+    "glm4": _GLM4,
+    "glm5": _GLM4,
 }
+# Pre-types for which llama.cpp takes a piece found whole in the vocabulary as that one token
+# before merging (ignore_merges; tokenizers' BPE option of the same name).
+IGNORE_MERGES = frozenset({"glm4", "glm5"})
 
 
 def byte_level_pre_tokenizer(pre_type: str) -> pre_tokenizers.PreTokenizer:
