@@ -2,8 +2,8 @@
 Kimi-K2, GLM-4.5's glm4 / glm5): token ids equal llama.cpp's on a fixed multilingual text and on
 random mixtures; GLM's take a piece found whole in the vocabulary before merging.
 
-No real DeepSeek-V3, Kimi-K2 or GLM-4.5 vocabulary is available offline (DeepSeek-V3's tokenizer.json and
-Kimi-K2's tiktoken.model are downloads; Kimi-K2's also needs its trust_remote_code tokenizer), so
+No real DeepSeek-V3, Kimi-K2 or GLM-4.5 vocabulary is available offline (DeepSeek-V3's and
+GLM-4.5's tokenizer.json and Kimi-K2's tiktoken.model are downloads; Kimi-K2's also needs its trust_remote_code tokenizer), so
 each test trains a small byte-level BPE on the pre-type's own splits and writes it as a GGUF
 vocabulary with ``tokenizer.ggml.pre`` set: the splitting and merging code is the real one, the
 vocabulary a stand-in.
