@@ -4,6 +4,7 @@ fresh server's; a sliding-window model reuses a cache only when it holds exactly
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from gguf import GGUFValueType as T
@@ -121,7 +122,7 @@ def test_a_three_turn_chat_reuses_its_prefix_and_replies_as_a_fresh_server(runti
     calls = recording.model.calls
     messages = [{"role": "user", "content": "bcd"}]
     turns = []  # per turn: prompt ids, reply, usage, the calls it made
-    with live_server(recording) as (url, _):
+    with live_server(recording) as (url, app):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         for turn, content in enumerate(("bcd", "ca", "dab")):
             if turn:
@@ -130,6 +131,10 @@ def test_a_three_turn_chat_reuses_its_prefix_and_replies_as_a_fresh_server(runti
             start = len(calls)
             reply, usage = chat(client, messages, stream=turn == 2)
             turns.append((runtime.chat_prompt_ids(messages), reply, usage, calls[start:]))
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer x"}).text
+    reported = sum(t[2].prompt_tokens_details.cached_tokens for t in turns)
+    assert f"moeswap_cached_tokens_total {reported}" in metrics.splitlines()
+    assert app.state.scheduler.counters.cached_tokens == reported
     in_cache: list[int] = []  # what the one used slot holds after each turn
     for turn, (prompt, reply, usage, made) in enumerate(turns):
         reused = min(common_prefix(in_cache, prompt), len(prompt) - 1)

@@ -103,6 +103,7 @@ class Counters:
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     requests_rejected: int = 0  # queue full
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens: reused from a kept cache, not prefilled
     generated_tokens: int = 0
     steps: int = 0
     busy_seconds: float = 0.0  # inside forward and sampling
@@ -230,6 +231,7 @@ class BatchScheduler:
                     self._active.append(request)
                     self.counters.requests_admitted += 1
                     self.counters.prompt_tokens += len(request.ids)
+                    self.counters.cached_tokens += request.cached
             try:
                 self._step()
             except Exception as e:  # the loop must outlive any one step

@@ -48,8 +48,11 @@ def render_metrics(scheduler: BatchScheduler, http: HttpCounts, store_stats: dic
                      [("", scheduler.queue_depth)])
     lines += _series("moeswap_batch_size", "gauge", "requests being decoded together",
                      [("", scheduler.active_count)])
-    lines += _series("moeswap_prompt_tokens_total", "counter", "prompt tokens prefilled",
+    lines += _series("moeswap_prompt_tokens_total", "counter", "prompt tokens received",
                      [("", c.prompt_tokens)])
+    lines += _series("moeswap_cached_tokens_total", "counter",
+                     "prompt tokens reused from a slot's kept KV cache, not prefilled",
+                     [("", c.cached_tokens)])
     lines += _series("moeswap_generated_tokens_total", "counter", "tokens generated",
                      [("", c.generated_tokens)])
     lines += _series("moeswap_tokens_per_second", "gauge",
