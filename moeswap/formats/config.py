@@ -29,7 +29,8 @@ class ArchTraits:
     expert_weights_norm: bool  # llama.cpp's default renormalisation of the top-k weights
     swa_pattern: int = 0  # default sliding-window pattern: every n-th layer is global (0: none)
     expert_act: str = "silu"  # routed experts' gated activation: silu | gelu | swiglu_oai (GPT-OSS)
-    gating: str = "softmax"  # softmax over all experts, or softmax_topk: top-k logits, then softmax
+    gating: str = "softmax"  # softmax over all experts, sigmoid per expert, or softmax_topk:
+    # top-k logits, then softmax
 
 
 # llama.cpp's per-architecture constants (llama-model.cpp / src/models/*.cpp).

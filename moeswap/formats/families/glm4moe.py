@@ -24,18 +24,18 @@ def gguf_fields(path: Any, key: Callable[..., Any], fields: dict[str, Any]) -> N
     if gating not in (0, 2):  # llama.cpp: absent means sigmoid for glm4moe
         raise MoeswapError(f"{path}: expert_gating_func={gating} is not supported for glm4moe "
                            "(supported: 2 sigmoid, as GLM-4.5 / 4.6 publish it)")
-    fields["gating"] = "sigmoid"
 
 
 def hf_fields(hf: dict[str, Any], folder: Path, fields: dict[str, Any]) -> None:
     """transformers' Glm4MoeForCausalLM: layers from num_hidden_layers on are the MTP ones
-    (the folder loader skips them); the router is always sigmoid with the selection bias."""
+    (the folder loader skips them); the router is always sigmoid (ARCH_TRAITS) with the
+    selection bias."""
     if not hf.get("n_routed_experts"):
         raise MoeswapError(f"{folder}/config.json: GLM-4.5 without routed experts is not supported")
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}
     factor = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
-    fields.update(head_dim=head_dim, n_rot=int(head_dim * factor), gating="sigmoid",
+    fields.update(head_dim=head_dim, n_rot=int(head_dim * factor),
                   n_layer_dense_lead=hf.get("first_k_dense_replace") or 0,
                   expert_weights_norm=bool(hf.get("norm_topk_prob", True)))
     if fields["n_layer_dense_lead"]:  # the leading dense layers' FFN width
