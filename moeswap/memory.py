@@ -17,6 +17,11 @@ from moeswap.formats.config import ModelConfig
 
 STEP_TOKENS = 512  # default tokens per forward: llama.cpp's n_ubatch
 
+# Bytes per cached number of each KV cache type (--kv-type): the library's default f32 keeps
+# the reference tests exact; the command line's f16 is llama.cpp's default and half the RAM.
+KV_TYPES = {"f32": 4, "f16": 2}
+COMMAND_KV_TYPE = "f16"  # --kv-type's default (run, chat, serve, plan)
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
           "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4,
           "tb": 1000**4, "tib": 1 << 40}
@@ -40,11 +45,18 @@ def format_size(n_bytes: int) -> str:
     return str(n_bytes)
 
 
-def kv_bytes_per_token(config: ModelConfig) -> int:
-    """Bytes one position costs when every layer keeps it: float32 keys and values of every
-    layer (one latent for MLA; per layer type for Gemma 4). Sliding-window layers keep only
-    their window: ``kv_cache_bytes`` is what a cache holds."""
-    return 4 * config.kv_floats_per_token
+def kv_type_bytes(kv_type: str) -> int:
+    """Bytes of one cached number of ``kv_type`` ('f32', 'f16')."""
+    if kv_type not in KV_TYPES:
+        raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(KV_TYPES)}")
+    return KV_TYPES[kv_type]
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_type: str = "f32") -> int:
+    """Bytes one position costs when every layer keeps it: keys and values of every layer
+    (one latent for MLA; per layer type for Gemma 4) in ``kv_type``. Sliding-window layers
+    keep only their window: ``kv_cache_bytes`` is what a cache holds."""
+    return kv_type_bytes(kv_type) * config.kv_floats_per_token
 
 
 def held_positions(window: int, context: int, step_tokens: int = 0) -> int:
@@ -56,13 +68,28 @@ def held_positions(window: int, context: int, step_tokens: int = 0) -> int:
 
 
 def kv_cache_bytes(config: ModelConfig, context: int, sequences: int = 1,
-                   step_tokens: int = 0) -> int:
-    """Bytes of float32 keys and values the caches of ``sequences`` sequences of up to
+                   step_tokens: int = 0, kv_type: str = "f32") -> int:
+    """Bytes of ``kv_type`` keys and values the caches of ``sequences`` sequences of up to
     ``context`` positions hold, fed at most ``step_tokens`` tokens per forward (0: a whole
     context in one forward): each layer's ``held_positions``."""
     full, swa = config.kv_floats_per_token_by_kind
     held_swa = held_positions(config.sliding_window, context, step_tokens) if swa else 0
-    return 4 * sequences * (full * context + swa * held_swa)
+    return kv_type_bytes(kv_type) * sequences * (full * context + swa * held_swa)
+
+
+def kv_widening_bytes(config: ModelConfig, context: int, kv_type: str) -> int:
+    """Bytes a step holds to attend over a cache narrower than float32: one layer's kept keys
+    and values of one sequence widened to float32 (moeswap.models.blocks.attend), at most
+    ``context`` positions of the widest layer; nothing for an f32 cache."""
+    if kv_type_bytes(kv_type) == 4:
+        return 0
+    c = config
+    if c.kv_lora_rank:  # MLA: the latent as keys, its first kv_lora_rank numbers as values
+        widest = 2 * c.kv_lora_rank + c.n_rot
+    else:
+        widest = 2 * max(c.n_head_kv * c.head_dim,
+                         c.n_head_kv_swa * c.head_dim_swa if any(c.swa_layers) else 0)
+    return 4 * context * widest
 
 
 def forward_working_bytes(config: ModelConfig, step_tokens: int, context: int,
@@ -102,23 +129,28 @@ class HostCharge:
     context_tokens: int = 0
     sequences: int = 1
     step_tokens: int = 0
+    kv_type: str = "f32"  # of the cached keys and values (KV_TYPES)
 
     @classmethod
-    def for_sequence(cls, context_tokens: int, step_tokens: int = 0) -> HostCharge:
+    def for_sequence(cls, context_tokens: int, step_tokens: int = 0,
+                     kv_type: str = "f32") -> HostCharge:
         """`moeswap run` and `chat`: one sequence's cache."""
-        return cls(context_tokens, 1, step_tokens)
+        return cls(context_tokens, 1, step_tokens, kv_type)
 
     @classmethod
-    def for_batch(cls, context_tokens: int, sequences: int, step_tokens: int = 0) -> HostCharge:
+    def for_batch(cls, context_tokens: int, sequences: int, step_tokens: int = 0,
+                  kv_type: str = "f32") -> HostCharge:
         """`moeswap serve`: every batch slot's cache may fill its context at once."""
-        return cls(context_tokens, sequences, step_tokens)
+        return cls(context_tokens, sequences, step_tokens, kv_type)
 
     def kv_bytes(self, config: ModelConfig) -> int:
-        return kv_cache_bytes(config, self.context_tokens, self.sequences, self.step_tokens)
+        return kv_cache_bytes(config, self.context_tokens, self.sequences, self.step_tokens,
+                              self.kv_type)
 
     def working_bytes(self, config: ModelConfig) -> int:
-        return forward_working_bytes(config, self.step_tokens, self.context_tokens,
-                                     self.sequences)
+        return (forward_working_bytes(config, self.step_tokens, self.context_tokens,
+                                      self.sequences)
+                + kv_widening_bytes(config, self.context_tokens, self.kv_type))
 
     def terms(self, config: ModelConfig, shared_bytes: int, staging_bytes: int,
               lowbit_bytes: int = 0) -> dict[str, int]:
@@ -139,6 +171,8 @@ class HostCharge:
         fixes = [f"--host-mem {format_size(charged + slot_bytes)} or more"]
         if terms["kv_bytes"]:
             fixes.append(f"a shorter context than {self.context_tokens} positions (--ctx)")
+            if self.kv_type == "f32":
+                fixes.append("a 16-bit KV cache (--kv-type f16)")
         if self.sequences > 1:
             fixes.append(f"fewer than {self.sequences} sequences at once (--max-batch)")
         if terms["working_bytes"] and self.step_tokens != 1:

@@ -113,7 +113,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
          verbose_log: Callable[[str], None] | None = None, expert_runner: Any = None,
          tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
          replay_routing: str | os.PathLike | None = None, context_tokens: int = 0,
-         step_tokens: int = 0, chat_template: str | None = None) -> Runtime:
+         step_tokens: int = 0, chat_template: str | None = None, kv_type: str = "f32") -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -128,6 +128,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     (moeswap.template_library.template_source reads a name or a file).
     context_tokens, step_tokens: what the store's budget charged each sequence for
     (moeswap.memory.HostCharge); caches are sized to it (0: they grow as they fill).
+    kv_type: of the KV caches, 'f32' (default; exact against float32 references) or 'f16'
+    (the command line's default, as llama.cpp's: half the RAM).
     """
     from moeswap.models import load_model
     from moeswap.routing.replay import RoutingReplay
@@ -143,7 +145,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
                        recorder=recorder, replay=replay, context_tokens=context_tokens,
-                       step_tokens=step_tokens)
+                       step_tokens=step_tokens, kv_type=kv_type)
     return Runtime(model, tokenizer, expert_runner, replay, chat_template)
 
 

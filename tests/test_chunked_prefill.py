@@ -14,7 +14,7 @@ import moeswap
 from moeswap.chat import ChatOptions, ChatSession
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
-from moeswap.memory import HostCharge, forward_working_bytes, kv_cache_bytes
+from moeswap.memory import HostCharge, forward_working_bytes, kv_cache_bytes, kv_widening_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.generate import generate, generate_batch, prefill
@@ -194,11 +194,13 @@ def test_run_charges_a_chunk_and_the_plan_counts_the_same(tiny_gguf, monkeypatch
     gguf = GGUFFile.open(tiny_gguf)
     config = config_from_gguf(gguf)
     gguf.close()
-    working = forward_working_bytes(config, 5, context)
-    assert charged == dict(charge=HostCharge(context_tokens=context, step_tokens=5))
+    # the command line's f16 cache: one layer of it widened to f32 while attending
+    working = forward_working_bytes(config, 5, context) + kv_widening_bytes(config, context, "f16")
+    assert charged == dict(charge=HostCharge(context_tokens=context, step_tokens=5, kv_type="f16"))
     assert charged["charge"].working_bytes(config) == working
     # one logits row (V 128); per fed token: 4 heads' scores, D 64 activations
-    assert working == 4 * (2 * 128 + 5 * (2 * 4 * context + 16 * 64))
+    assert forward_working_bytes(config, 5, context) == 4 * (2 * 128 + 5 * (2 * 4 * context
+                                                                         + 16 * 64))
 
     assert main(["plan", str(tiny_gguf), "--host-mem", "1GiB", "--ctx", str(context),
                  "--step-tokens", "5", "--json"]) == 0
@@ -206,7 +208,7 @@ def test_run_charges_a_chunk_and_the_plan_counts_the_same(tiny_gguf, monkeypatch
 
     doc = json.loads(capsys.readouterr().out)
     assert doc["moeswap"]["working_bytes"] == working
-    assert doc["kv_cache"]["moeswap_charge_bytes"] == kv_cache_bytes(config, context, 1, 5)
+    assert doc["kv_cache"]["moeswap_charge_bytes"] == kv_cache_bytes(config, context, 1, 5, "f16")
     assert doc["moeswap"]["command"][-2:] == ["--step-tokens", "5"]
 
 

@@ -1,4 +1,5 @@
-"""moeswap against llama.cpp itself on the f32 GGUF of every family (f32 KV cache).
+"""moeswap against llama.cpp itself on the f32 GGUF of every family, with an f32 KV cache and
+with an f16 one (--kv-type f16, llama.cpp's default type_k / type_v).
 
 Every family agrees within 1e-4 relative. Gemma 3 and 4 need one caveat: ggml's CPU GELU reads
 a table indexed by the input rounded to f16 and returns an f16 value (GGML_GELU_FP16 in
@@ -24,19 +25,20 @@ pytestmark = pytest.mark.llama_cpp
 
 PROMPT = torch.randint(0, tiny_models.VOCAB, (16,), generator=torch.Generator().manual_seed(1))
 GGML_TYPE_F32 = 0
+GGML_TYPE_F16 = 1
 TORCH_GELU = F.gelu
 GELU_FAMILIES = ("gemma3", "gemma4")
 
 
-def llama_cpp_logits(path) -> np.ndarray:
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=GGML_TYPE_F32,
-                          type_v=GGML_TYPE_F32, flash_attn=False, n_threads=2, verbose=False)
+def llama_cpp_logits(path, kv_type: int = GGML_TYPE_F32) -> np.ndarray:
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=kv_type,
+                          type_v=kv_type, flash_attn=False, n_threads=2, verbose=False)
     llm.eval(PROMPT.tolist())
     return np.array(llm.scores[: len(PROMPT)], dtype=np.float64)
 
 
-def moeswap_logits(path) -> np.ndarray:
-    model = load_model(path)
+def moeswap_logits(path, kv_type: str = "f32") -> np.ndarray:
+    model = load_model(path, kv_type=kv_type)
     return model.forward([PROMPT], [model.new_cache()])[0].double().numpy()
 
 
@@ -70,3 +72,22 @@ def test_gemma_matches_llama_cpp_with_its_f16_gelu(tmp_path, monkeypatch, family
     reference = llama_cpp_logits(path)
     monkeypatch.setattr(F, "gelu", ggml_fp16_gelu)
     assert relative_error(moeswap_logits(path), reference) <= 1e-4
+
+# Families not yet within 1e-4 with an f16 cache (issue 24), the bound measured with some
+# room: an f16 rounding that lands the other way changes a logit by ~1e-4, and the cause of
+# these is not found yet (q and the probabilities are rounded as ggml's mul_mat rounds them;
+# an emulation of ggml's softmax exp changed nothing). Each is still well under what the f16
+# cache itself moves llama.cpp's logits (llama.cpp f16 vs f32: 5e-4, 1.1e-3, 3e-2, 4.7e-3).
+F16_KV_GAPS = {"mixtral": 2e-4, "gemma3": 4e-4, "deepseek2_lite": 5e-4, "gemma4": 7e-4,
+               "gemma4_multimodal": 7e-4}
+
+
+def test_f16_kv_logits_match_llama_cpp_with_f16_kv(f32_file, monkeypatch):
+    """Sliding-window rings (Gemma, GPT-OSS, tiny Mixtral), MLA latents (DeepSeek) and sinks
+    in f16 too; Gemma with ggml's f16-table GELU, as above."""
+    family, path = f32_file
+    reference = llama_cpp_logits(path, GGML_TYPE_F16)
+    if family.startswith(GELU_FAMILIES):
+        monkeypatch.setattr(F, "gelu", ggml_fp16_gelu)
+    error = relative_error(moeswap_logits(path, "f16"), reference)
+    assert error <= F16_KV_GAPS.get(family, 1e-4), family

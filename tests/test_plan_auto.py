@@ -48,7 +48,9 @@ def machine_with(free_host: int, gpu_free: int = 0) -> Machine:
 def run(capsys, monkeypatch, machine: Machine | None, *flags: str) -> tuple[int, str, str]:
     if machine is not None:
         monkeypatch.setattr(auto, "machine_memory", lambda: machine)
-    code = main(["run", MODEL, "-p", PROMPT, "-n", str(N_PREDICT), "--temp", "0", *flags])
+    # --kv-type f32: the budgets here are ``charged``'s, the library's f32 charge
+    code = main(["run", MODEL, "-p", PROMPT, "-n", str(N_PREDICT), "--temp", "0",
+                 "--kv-type", "f32", *flags])
     out, err = capsys.readouterr()
     return code, out, err
 

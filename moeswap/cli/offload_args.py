@@ -66,6 +66,15 @@ def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> Non
                         f"({STEP_TOKENS}: llama.cpp's n_ubatch)")
 
 
+def add_kv_type_argument(p: argparse.ArgumentParser) -> None:
+    """``--kv-type``, as `moeswap run`, `chat`, `serve` and `plan` share it."""
+    from moeswap.memory import COMMAND_KV_TYPE, KV_TYPES
+
+    p.add_argument("--kv-type", choices=list(KV_TYPES), default=COMMAND_KV_TYPE,
+                   help="type of the KV cache's keys and values, charged to --host-mem "
+                        "(f16: llama.cpp's default, half of f32's bytes)")
+
+
 def offload_settings(args, budgets: tuple[int | None, int] | None = None):
     """The offload flags typed once: an OffloadSettings, or None for all-resident (no
     --host-mem). ``budgets``: (host, device) bytes a plan chose (host None: all resident),

@@ -7,7 +7,7 @@ import shlex
 
 from moeswap.cli.common_args import add_model_argument
 from moeswap.cli.console import stdout_console
-from moeswap.cli.offload_args import add_step_tokens_argument
+from moeswap.cli.offload_args import add_kv_type_argument, add_step_tokens_argument
 
 RATE_FLAGS = {"disk_bw": "disk_read", "link_bw": "link", "ram_bw": "host_compute",
               "gpu_bw": "device_compute"}
@@ -23,6 +23,7 @@ def register(subparsers) -> None:
     p.add_argument("-c", "--ctx", type=int, required=True, help="context length in tokens")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     add_step_tokens_argument(p, " (as run, chat and serve take it)")
+    add_kv_type_argument(p)
     p.add_argument("--profile", metavar="FILE",
                    help="a routing profile (`moeswap profile TRACE`: expected hit rate and the "
                         "llama.cpp layers to keep on the GPU) or a routing trace (.npz: the "
@@ -51,7 +52,7 @@ def run_plan(args) -> int:
         raise MoeswapError("--gpus needs --gpu-mem, the memory of each GPU (e.g. 80GiB)")
     check_step_tokens(args.step_tokens)
     budget = Budget(parse_size(args.device_mem), parse_size(args.host_mem), args.ctx, args.batch,
-                    args.step_tokens)
+                    args.step_tokens, args.kv_type)
     given = {field: getattr(args, flag) * 1e9 if getattr(args, flag) else None
              for flag, field in RATE_FLAGS.items()}
     full = plan_model(args.model, budget, plan_rates(given), args.profile, args.gpus,
@@ -88,8 +89,11 @@ def print_plan(doc: dict) -> None:
     rows += [
         ("KV cache per token (16-bit)", gib(kv["bytes_per_token_f16"])),
         ("KV cache for the context (16-bit)", gib(kv["context_bytes_f16"])),
-        ("moeswap: RAM for weights + KV (f32) + step" if dense else
-         "moeswap: RAM for shared + KV (f32) + step + staging", gib(m["host_charged_bytes"])),
+        (f"moeswap: KV cache for the context ({budget['kv_type']})",
+         gib(kv["moeswap_charge_bytes"])),
+        (f"moeswap: RAM for weights + KV ({budget['kv_type']}) + step" if dense else
+         f"moeswap: RAM for shared + KV ({budget['kv_type']}) + step + staging",
+         gib(m["host_charged_bytes"])),
         (f"moeswap: a step's working memory (--step-tokens {budget['step_tokens']})",
          gib(m["working_bytes"]))]
     if not dense:

@@ -9,7 +9,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from moeswap.cli.common_args import (add_model_argument, add_threads_argument,
                                      warn_beyond_training)
-from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
+from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
+                                      add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
 from moeswap.errors import MoeswapError
@@ -31,6 +32,7 @@ def register(subparsers) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="log each tensor as it is mapped: name, shape, type, where it lives")
     add_step_tokens_argument(p)
+    add_kv_type_argument(p)
     add_offload_arguments(p)
     p.add_argument("--plan", choices=["auto"],
                    help="budgets from the planner for this machine's free RAM and GPU, printed "
@@ -76,7 +78,7 @@ def run_generate(args) -> int:
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
                                recorder=recorder, replay_routing=args.replay_routing,
                                **offload_load_options(settings, HostCharge.for_sequence(
-                                   context, step), args.threads))
+                                   context, step, args.kv_type), args.threads))
         if recorder is not None and not runtime.config.moe_layers:
             raise MoeswapError(f"{model_path}: this {runtime.config.arch} model has no routed "
                                "experts; there is no routing to trace (drop --trace)")
@@ -126,7 +128,7 @@ def auto_budgets(args, model_path, context: int, console,
     auto = auto_plan(model_path, context, machine_memory(), plan_rates({}),
                      parse_size(args.host_mem) if args.host_mem else None,
                      parse_size(args.device_mem) if args.device_mem else None, profile,
-                     step_tokens)
+                     step_tokens, args.kv_type)
     for line in auto.describe():
         console.print(line, markup=False)
     return auto.host_bytes, auto.device_bytes

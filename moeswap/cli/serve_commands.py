@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from moeswap.cli.common_args import (add_model_argument, add_threads_argument, default_ctx,
                                      warn_beyond_training)
-from moeswap.cli.offload_args import (add_offload_arguments, add_step_tokens_argument,
+from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
+                                      add_step_tokens_argument,
                                       offload_load_options, offload_settings)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
 
@@ -25,6 +26,7 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
                         "for a model without one)")
     add_threads_argument(p)
     add_step_tokens_argument(p, step_scope)
+    add_kv_type_argument(p)
     add_offload_arguments(p)
 
 
@@ -147,7 +149,7 @@ def run_serve(args) -> int:
                             bind_host=args.host, allow_hosts=tuple(args.allow_host))
     activity = ExpertActivity()  # the web page's expert grid: which experts each step used
     with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
-        runtime = _load(args, batch_charge(batch), activity)
+        runtime = _load(args, batch_charge(batch, args.kv_type), activity)
     warn_beyond_training(runtime, args.ctx)
     print(start_summary(runtime, args, listening.getsockname()[1]), file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(create_app(runtime, options, activity),
@@ -169,7 +171,7 @@ def run_chat(args) -> int:
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
                           system=args.system, step_tokens=args.step_tokens)
     # a turn's new tokens may fill the context; they are fed a chunk at a time
-    charge = HostCharge.for_sequence(args.ctx, min(args.step_tokens, args.ctx))
+    charge = HostCharge.for_sequence(args.ctx, min(args.step_tokens, args.ctx), args.kv_type)
     with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
         runtime = _load(args, charge)
     warn_beyond_training(runtime, args.ctx)

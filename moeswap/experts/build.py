@@ -51,8 +51,9 @@ def build_store(settings: OffloadSettings, charge: HostCharge = HostCharge(),
 def load_options(settings: OffloadSettings | None, charge: HostCharge,
                  rates: Rates | None = None) -> dict:
     """``moeswap.runtime.load``'s options for a store under ``settings`` (None: all resident,
-    nothing charged): the store paying ``charge``, and the charge's sizes for the caches."""
+    nothing charged, but the caches still of the charge's type): the store paying
+    ``charge``, and the charge's sizes and type for the caches."""
     if settings is None:
-        return {}
-    return dict(expert_runner=build_store(settings, charge, rates),
+        return dict(kv_type=charge.kv_type)
+    return dict(expert_runner=build_store(settings, charge, rates), kv_type=charge.kv_type,
                 context_tokens=charge.context_tokens, step_tokens=charge.step_tokens)

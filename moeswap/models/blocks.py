@@ -54,13 +54,18 @@ class KVCache:
 
     Each layer's entry shape is that of its first append, so layers may differ (MLA caches
     one latent per token: keys [S, 1, kv_lora + rope] and zero-width values).
+
+    Keys and values are stored as ``dtype`` (torch.float16 for ``--kv-type f16``); ``attend``
+    widens them back and rounds as ggml does against a cache of that type.
     """
 
-    def __init__(self, windows: Sequence[int], context: int = 0, step_tokens: int = 0):
+    def __init__(self, windows: Sequence[int], context: int = 0, step_tokens: int = 0,
+                 dtype: torch.dtype = torch.float32):
         """windows: per layer, its sliding window (0: full attention); context: positions
         the budget charges each layer for (0: none, grow as needed), fed at most
-        step_tokens per forward (0: a whole context)."""
+        step_tokens per forward (0: a whole context); dtype: of the stored keys and values."""
         self.length = 0  # positions already processed
+        self.dtype = dtype
         self.windows = tuple(windows)
         self.sizes = tuple(held_positions(w, context, step_tokens) if context else 0
                            for w in self.windows)
@@ -80,7 +85,8 @@ class KVCache:
                 capacity = max(2 * (0 if slots is None else slots.capacity), 16, older + n_new)
                 if window:
                     capacity = min(capacity, window - 1 + n_new)
-            slots = _LayerSlots(capacity, k, v, slots, self.length - older, self.length)
+            slots = _LayerSlots(capacity, k.to(self.dtype), v.to(self.dtype), slots,
+                                self.length - older, self.length)
             self._layers[layer] = slots
         slots.write(k, v, self.length)
         return slots.kept()
@@ -133,7 +139,7 @@ class _LayerSlots:
         return (torch.arange(first, end) - self.base) % self.capacity
 
     def write(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
-        """k [T, K, E], v [T, K, V] at positions first..first+T-1."""
+        """k [T, K, E], v [T, K, V] at positions first..first+T-1 (cast to the slots' type)."""
         at = self.slots(first, first + k.shape[0])
         self.keys[at], self.values[at] = k, v
         self.positions[at] = torch.arange(first, first + k.shape[0])
@@ -260,7 +266,15 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
     window only p - k < window (llama.cpp's is_masked_swa: masked when p - k >= n_swa).
 
     A sink is one more logit per head in the softmax, with no value (GPT-OSS).
+
+    Keys and values narrower than q (an f16 cache) are widened, and q and the probabilities
+    are rounded to their type first: ggml's CPU mul_mat converts its f32 operand to the cache's
+    type before each dot product (llama.cpp's attention without flash attention).
     """
+    narrow = keys.dtype if keys.dtype != q.dtype else None
+    if narrow is not None:
+        q = q.to(narrow).to(q.dtype)  # [T, H, E], rounded as ggml rounds it
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # [S, K, E], [S, K, V]
     n_new, n_keys = q.shape[0], keys.shape[0]
     group = s.n_head // s.n_head_kv
     qg = q.view(n_new, s.n_head_kv, group, s.head_dim).permute(1, 2, 0, 3)  # [K, G, T, E]
@@ -286,6 +300,8 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
         logits[..., n_keys] = sinks.view(s.n_head_kv, group, 1)
     torch.softmax(logits, dim=-1, out=logits)
     probs = logits[..., :n_keys]  # [K, G, T, S]: a sink's share goes to no value
+    if narrow is not None:
+        probs = probs.to(narrow).to(q.dtype)  # [K, G, T, S], rounded as ggml rounds them
     out = probs @ values.permute(1, 0, 2)[:, None]  # [K, G, T, V]
     return out.permute(2, 0, 1, 3).reshape(n_new, s.n_head, values.shape[-1])  # [T, H, V]
 

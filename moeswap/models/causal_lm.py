@@ -52,11 +52,12 @@ class CausalLM:
         # What a host budget charged each sequence's cache for (load_model's context_tokens
         # and step_tokens; 0: no budget): new caches are sized to it.
         self.context, self.step_tokens = 0, 0
+        self.kv_dtype = torch.float32  # of the cached keys and values (load_model's kv_type)
 
     def new_cache(self) -> KVCache:
         """An empty cache whose sliding-window layers keep only what they can still see,
         its buffers sized to the charged context (moeswap.models.blocks.KVCache)."""
-        return KVCache(self.config.layer_windows, self.context, self.step_tokens)
+        return KVCache(self.config.layer_windows, self.context, self.step_tokens, self.kv_dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: list[torch.Tensor], caches: list[KVCache],

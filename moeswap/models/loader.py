@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
@@ -31,11 +32,14 @@ from moeswap.quant import CpuKernels
 # Builds the routed-expert runner of a GGUF model: (file, kernels, MoE layers, activation) -> runner.
 ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRunner]
 
+# --kv-type -> the torch type KVCache stores (the same names as moeswap.memory.KV_TYPES).
+_KV_DTYPES = {"f32": torch.float32, "f16": torch.float16}
+
 
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
                threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None,
                recorder: DecisionRecorder | None = None, replay: Any = None,
-               context_tokens: int = 0, step_tokens: int = 0) -> CausalLM:
+               context_tokens: int = 0, step_tokens: int = 0, kv_type: str = "f32") -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
@@ -46,8 +50,12 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     context_tokens, step_tokens: the positions of a sequence and the most tokens a forward feeds
     it, as a budget charged them (moeswap.memory.HostCharge): new KV caches are sized to them
     (0: caches grow as they fill).
+    kv_type: of the KV caches' keys and values, 'f32' (the default: the reference tests compare
+    against transformers in float32) or 'f16' (the command line's default, as llama.cpp's).
     """
     path = Path(path)
+    if kv_type not in _KV_DTYPES:
+        raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(_KV_DTYPES)}")
     source: Any
     gguf: GGUFFile | None = None
     if path.is_dir():
@@ -86,6 +94,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         experts, recorder = replay.attach(config, str(path), experts, recorder)
     model = build(config, source, bound, experts, recorder)
     model.context, model.step_tokens = context_tokens, step_tokens
+    model.kv_dtype = _KV_DTYPES[kv_type]
     return model
 
 

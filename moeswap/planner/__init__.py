@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.memory import STEP_TOKENS, format_size
+from moeswap.memory import COMMAND_KV_TYPE, STEP_TOKENS, format_size
 from moeswap.planner.distributed import MultiGpuPlan, plan_multi_gpu
 from moeswap.planner.llama_cpp import LlamaCppPlan, ollama_modelfile, plan_llama_cpp
 from moeswap.planner.placement import Budget, Plan, make_plan
@@ -63,6 +63,8 @@ def moeswap_command(full: FullPlan) -> list[str]:
         args += ["--host-mem", format_size(p.budget.host_bytes)]
     if p.budget.step_tokens != STEP_TOKENS:
         args += ["--step-tokens", str(p.budget.step_tokens)]
+    if p.budget.kv_type != COMMAND_KV_TYPE:
+        args += ["--kv-type", p.budget.kv_type]
     if p.device_slots:
         args += ["--device-mem", format_size(p.budget.device_bytes)]
     if full.profile_path and not is_trace(full.profile_path):
@@ -78,7 +80,7 @@ def report(full: FullPlan) -> dict:
         "architecture": s.config.arch,
         "budget": {"device_bytes": p.budget.device_bytes, "host_bytes": p.budget.host_bytes,
                    "context": p.budget.context, "batch": p.budget.batch,
-                   "step_tokens": p.budget.step_tokens},
+                   "step_tokens": p.budget.step_tokens, "kv_type": p.budget.kv_type},
         "bytes": {"total": s.total_bytes, "shared": s.shared_bytes, "routed": s.routed_bytes,
                   "one_expert": s.one_expert_bytes, "active_per_token": s.active_bytes_per_token},
         "kv_cache": {"bytes_per_token_f16": s.kv_bytes(1, F16_BYTES),

@@ -92,9 +92,11 @@ def device_computable(path: str | Path) -> bool:
 
 def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rates: PlanRates,
               host_bytes: int | None = None, device_bytes: int | None = None,
-              profile_path: str | None = None, step_tokens: int = STEP_TOKENS) -> AutoPlan:
+              profile_path: str | None = None, step_tokens: int = STEP_TOKENS,
+              kv_type: str = "f32") -> AutoPlan:
     """The plan for ``machine`` (budgets given here win over its memory) and the run's budgets;
-    ``step_tokens``: the most tokens one forward feeds (a prompt chunk; 0: a whole context).
+    ``step_tokens``: the most tokens one forward feeds (a prompt chunk; 0: a whole context);
+    ``kv_type``: of the KV cache the run will keep.
     A plan that cannot fit raises the planner's refusal."""
     if Path(model_path).is_dir():
         raise MoeswapError(f"{model_path}: --plan auto reads a GGUF header; convert the folder "
@@ -117,7 +119,8 @@ def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rat
         gf.close()
     profile = Profile.load(profile_path) if profile_path else None
     try:
-        budget = Budget(device_bytes, host_bytes, context_tokens, step_tokens=step_tokens)
+        budget = Budget(device_bytes, host_bytes, context_tokens, step_tokens=step_tokens,
+                        kv_type=kv_type)
         plan = make_plan(sizes, budget, rates, profile)
     except MoeswapError as refusal:
         if not from_machine:

@@ -39,11 +39,12 @@ class Budget:
     context: int  # positions per sequence
     batch: int = 1  # sequences decoded together
     step_tokens: int = STEP_TOKENS  # most tokens one forward feeds (--step-tokens; 0: a context)
+    kv_type: str = "f32"  # of the KV cache (--kv-type; moeswap.memory.KV_TYPES)
 
     @property
     def charge(self) -> HostCharge:
         """What the store charges the host budget for these sequences (moeswap.memory)."""
-        return HostCharge.for_batch(self.context, self.batch, self.step_tokens)
+        return HostCharge.for_batch(self.context, self.batch, self.step_tokens, self.kv_type)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from moeswap.memory import HostCharge
 from moeswap.server.batching import BatchOptions
 
 
-def batch_charge(options: BatchOptions) -> HostCharge:
-    """The charge of every batch slot's context, fed --step-tokens tokens per step."""
-    return HostCharge.for_batch(options.ctx, options.max_batch, options.step_tokens)
+def batch_charge(options: BatchOptions, kv_type: str = "f32") -> HostCharge:
+    """The charge of every batch slot's context, fed --step-tokens tokens per step, its
+    cache of ``kv_type`` (--kv-type)."""
+    return HostCharge.for_batch(options.ctx, options.max_batch, options.step_tokens, kv_type)
