@@ -139,13 +139,15 @@ def test_selection_bias_changes_the_routing():
 
 def test_tools_and_store_know_the_family(files):
     """doctor finds nothing (a trunk-only file's absent MTP layer included), inspect sees the
-    leading dense layer, exp_probs_b is a shared router weight, and offload at one expert slot
-    per layer gives the resident model's logits bit for bit."""
+    leading dense layer, exp_probs_b is a shared router weight, the planner's and the store's
+    byte counts leave the MTP layer out (llama.cpp does not load it), and offload at one expert
+    slot per layer gives the resident model's logits bit for bit."""
     from moeswap.experts.store import shared_bytes
     from moeswap.formats.gguf_moe import ROUTER, MoEView
     from moeswap.gguf_tools.doctor import diagnose
     from moeswap.gguf_tools.inspect import inspect_file
     from moeswap.models.quant_experts import QuantResidentExperts
+    from moeswap.planner.sizes import model_sizes
     from test_expert_store import decode_logits, plan, store_model
 
     variant, _, _, paths = files
@@ -156,9 +158,11 @@ def test_tools_and_store_know_the_family(files):
     gguf = GGUFFile.open(path)
     for layer in (1, 2):
         assert gguf.tensor(f"blk.{layer}.exp_probs_b.bias") in MoEView(gguf).layer(layer).of(ROUTER)
-    if variant == "trunk_only":
-        routed = sum(t.n_bytes for t in gguf.tensors if "_exps." in t.name)
-        assert shared_bytes(gguf, [1, 2]) == sum(t.n_bytes for t in gguf.tensors) - routed
+    run = [t for t in gguf.tensors if not t.name.startswith("blk.3.")]  # the MTP layer's left out
+    routed = sum(t.n_bytes for t in run if "_exps." in t.name)
+    assert shared_bytes(gguf, [1, 2]) == sum(t.n_bytes for t in run) - routed
+    sizes = model_sizes(gguf)
+    assert sizes.moe_layers == [1, 2] and sizes.total_bytes == sum(t.n_bytes for t in run)
     resident = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
     _, _, layers, _ = plan(path)
     assert layers == [1, 2]

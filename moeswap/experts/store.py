@@ -32,6 +32,7 @@ from moeswap.experts.stats import LayerStats, total
 from moeswap.experts.tiers import check_inside_file, slot_bytes, slot_pieces
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.formats.gguf_moe import MoEView
 from moeswap.memory import HostCharge
 from moeswap.models.quant_experts import (VECTOR_DTYPES, ExpertLayout, combine, group_picks,
                                           hidden, output, run_in_pieces)
@@ -44,8 +45,10 @@ def routed_bytes(gguf: GGUFFile, layers: list[int]) -> int:
 
 
 def shared_bytes(gguf: GGUFFile, layers: list[int]) -> int:
-    """Bytes of every tensor that is not a routed expert: they stay in fast memory."""
-    return sum(t.n_bytes for t in gguf.tensors) - routed_bytes(gguf, layers)
+    """Bytes of every tensor the model runs that is not a routed expert: they stay in fast
+    memory (MTP layers, which the model does not run, are left out: gguf_moe.MoEView)."""
+    run = MoEView(gguf, config_from_gguf(gguf).n_layer).tensors
+    return sum(t.n_bytes for t in run) - routed_bytes(gguf, layers)
 
 
 class _Slot:

@@ -97,7 +97,7 @@ SPLIT_EXPERT_PATTERNS: tuple[re.Pattern, ...] = (
     re.compile(r"^blk\.(?P<layer>\d+)\.ffn_expert_(?P<expert>\d+)[._]"
                r"(?P<part>gate|up|down)\.weight$"),
 )
-_LAYER_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<base>[A-Za-z0-9_]+?)"
+_LAYER_NAME = re.compile(r"^blk\.(?P<layer>\d+)\.(?P<base>[A-Za-z0-9_.]+?)"
                          r"(?:\.(?P<kind>weight|bias|scale))?$")
 
 
@@ -252,13 +252,17 @@ class ByteTotals:
 class MoEView:
     """Metadata, per-layer tensor roles and byte totals of one GGUF file."""
 
-    def __init__(self, gf: GGUFFile):
+    def __init__(self, gf: GGUFFile, n_layer: int | None = None):
+        """n_layer: the layers the model runs; tensors of later ones (GLM-4.5's MTP layers,
+        which llama.cpp does not load) are left out of ``tensors``, the layers and the totals."""
         self.file = gf
         self.metadata = read_metadata(gf)
         self.roles: dict[str, TensorRole] = {t.name: classify(t.name) for t in gf.tensors}
+        self.tensors = [t for t in gf.tensors if n_layer is None
+                        or self.roles[t.name].layer is None or self.roles[t.name].layer < n_layer]
         self.global_tensors: dict[str, list[TensorInfo]] = {}
         layers: dict[int, LayerView] = {}
-        for t in gf.tensors:
+        for t in self.tensors:
             role = self.roles[t.name]
             if role.layer is None:
                 self.global_tensors.setdefault(role.role, []).append(t)
@@ -323,8 +327,7 @@ class MoEView:
         return routed // n_expert if n_expert else 0
 
     def totals(self) -> ByteTotals:
-        tensors = self.file.tensors
-        total = sum(max(t.n_bytes, 0) for t in tensors)
+        total = sum(max(t.n_bytes, 0) for t in self.tensors)
         routed = sum(layer.bytes_of(ROUTED) for layer in self.layers)
         expert_sizes = [self.expert_bytes(layer) for layer in self.layers if layer.is_moe]
         n_used = self.metadata.expert_used_count or 0

@@ -94,10 +94,10 @@ class ModelSizes:
 def model_sizes(gf: GGUFFile) -> ModelSizes:
     """Byte counts of one GGUF file (header and tensor index only)."""
     config = config_from_gguf(gf)
-    view = MoEView(gf)
+    view = MoEView(gf, config.n_layer)
     totals = view.totals()
     moe = [layer for layer in view.layers if layer.is_moe]
-    layer_bytes = {layer.index: sum(max(t.n_bytes, 0) for t in gf.tensors
+    layer_bytes = {layer.index: sum(max(t.n_bytes, 0) for t in view.tensors
                                     if view.roles[t.name].layer == layer.index)
                    - layer.bytes_of(ROUTED) for layer in view.layers}
     embedding = sum(t.n_bytes for t in view.global_tensors.get(EMBEDDING, []))
@@ -116,6 +116,6 @@ def model_sizes(gf: GGUFFile) -> ModelSizes:
                                 for layout in layouts},
         layer_bytes=layer_bytes, input_bytes=embedding, output_bytes=output,
         slot_bytes=slot_bytes(layouts),
-        shared_elements=sum(math.prod(t.shape) for t in gf.tensors
+        shared_elements=sum(math.prod(t.shape) for t in view.tensors
                             if view.roles[t.name].role != ROUTED),
         tensor_names=tuple(t.name for t in gf.tensors))
