@@ -141,7 +141,7 @@ class _LayerSlots:
     def write(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
         """k [T, K, E], v [T, K, V] at positions first..first+T-1 (cast to the slots' type)."""
         at = self.slots(first, first + k.shape[0])
-        self.keys[at], self.values[at] = k, v
+        self.keys[at], self.values[at] = k.to(self.keys.dtype), v.to(self.values.dtype)
         self.positions[at] = torch.arange(first, first + k.shape[0])
         self.end = first + k.shape[0]
 
