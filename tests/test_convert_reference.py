@@ -30,8 +30,8 @@ import runpy, sys
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, script.rsplit("/", 1)[0])
-from conversion import deepseek, gemma, gpt_oss
-for model in (deepseek.DeepseekV2Model, gpt_oss.GptOssModel, gemma.Gemma4Model):
+from conversion import deepseek, gemma, glm, gpt_oss
+for model in (deepseek.DeepseekV2Model, gpt_oss.GptOssModel, gemma.Gemma4Model, glm.Glm4MoeModel):
     model.set_vocab = lambda self: self._set_vocab_sentencepiece()
 runpy.run_path(script, run_name="__main__")
 """
@@ -55,7 +55,8 @@ def test_same_file_as_reference_converter(tmp_path, family, out_type):
 @pytest.mark.parametrize(("family", "out_type"), [
     ("deepseek2", "f32"), ("deepseek2", "q8_0"), ("deepseek2_lite", "f32"), ("deepseek3", "f32"),
     ("deepseek3", "q8_0"), ("gpt_oss", "f32"),
-    ("gpt_oss", "q8_0"), ("gemma4", "f32"), ("gemma4", "q8_0"), ("gemma4_multimodal", "f32")])
+    ("gpt_oss", "q8_0"), ("gemma4", "f32"), ("gemma4", "q8_0"), ("gemma4_multimodal", "f32"),
+    ("glm4moe", "f32"), ("glm4moe", "q8_0")])
 def test_same_tensors_as_reference_converter(tmp_path, family, out_type):
     folder = tmp_path / "hf"
     tiny_models.save(family, folder)

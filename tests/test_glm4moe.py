@@ -7,14 +7,14 @@ chosen (asserted below), one shared expert, half-rotary heads, Q/K/V biases and 
 one MTP layer counted in its config: without its tensors ("trunk-only": the GGUF's block_count
 is 4, nextn_predict_layers 1) and, in the "mtp" twin, with them (blk.3.* and blk.3.nextn.*),
 which llama.cpp and moeswap both leave out of the forward. The converter's GLM vocabulary
-reader wants a real GLM tokenizer; these files take the tiny SentencePiece one instead.
+reader wants a real GLM tokenizer; these files take the tiny SentencePiece one instead
+(test_convert_reference.SENTENCEPIECE_VOCAB); moeswap convert writes the same file
+(tests/test_convert_reference.py).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,32 +24,14 @@ import tiny_models
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models import load_model
-from test_deepseek3 import PROMPT, greedy, llama_cpp_logits, moeswap_logits, relative_error
+from test_deepseek3 import (PROMPT, greedy, llama_cpp_logits, moeswap_logits, reference_convert,
+                            relative_error)
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
-# llama.cpp's converter, its GLM vocabulary reader swapped for the SentencePiece one.
-CONVERT_WITH_SENTENCEPIECE = """
-import runpy, sys
-script = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path.insert(0, script.rsplit("/", 1)[0])
-from conversion import glm
-glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()
-runpy.run_path(script, run_name="__main__")
-"""
 
 pytestmark = pytest.mark.skipif(not Path(SCRIPT).is_file(), reason=(
     "set MOESWAP_LLAMA_CPP_CONVERT to llama.cpp's convert_hf_to_gguf.py (from the "
     "llama-cpp-python 0.3.36 sdist): these files come from the reference converter"))
-
-
-def reference_convert(folder: Path, out_type: str) -> Path:
-    wrapper = folder.parent / "reference_with_sentencepiece.py"
-    wrapper.write_text(CONVERT_WITH_SENTENCEPIECE)
-    out = folder.parent / f"model.{out_type}.gguf"
-    subprocess.run([sys.executable, str(wrapper), SCRIPT, str(folder), "--outtype", out_type,
-                    "--outfile", str(out)], check=True, capture_output=True)
-    return out
 
 
 def add_mtp_layer(folder: Path) -> None:
