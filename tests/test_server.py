@@ -474,7 +474,8 @@ def test_metrics_show_server_and_expert_store_series(tiny_path):
 class ListCache(list):
     """The fed ids, cut back as a KVCache is when the server reuses its prefix."""
 
-    windows = ()  # no sliding-window layers
+    def can_truncate(self, n_tokens: int) -> bool:
+        return n_tokens <= len(self)
 
     def truncate(self, n_tokens: int) -> None:
         del self[n_tokens:]

@@ -4,14 +4,18 @@ fresh server's; a sliding-window model reuses a cache only when it holds exactly
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import httpx
 import pytest
 import torch
 from gguf import GGUFValueType as T
 
+from moeswap.server.app import ServerOptions, create_app
+from moeswap.server.batching import BatchOptions
 from moeswap.server.slots import common_prefix
 from test_server import MODEL, TEMPLATE, load, one_thread, write_model  # noqa: F401 (fixture)
-from test_server_live import live_server
+from test_server_live import live_server, serve_app
 
 openai = pytest.importorskip("openai", reason="the official client is what is being checked")
 
@@ -46,15 +50,26 @@ def runtime(tmp_path_factory):
     return load(write_model(tmp_path_factory.mktemp("prefix"), TEMPLATE))
 
 
+SLIDING = BatchOptions(ctx=64, step_tokens=8)  # each ring holds 7 + 8 positions
+
+
 @pytest.fixture(scope="module")
 def sliding(tmp_path_factory):
-    """The tiny Gemma 4 layout: layer 0 has a sliding window of 8 positions."""
+    """The tiny Gemma 4 layout: layer 0 has a sliding window of 8 positions; caches sized as
+    the server's budget charges them for SLIDING."""
     from gguf_builders import gemma4
 
     spec = gemma4()
     spec.kv["tokenizer.chat_template"] = (TEMPLATE, T.STRING)
-    return load(spec.write(tmp_path_factory.mktemp("sliding") / f"{MODEL}.gguf"))
+    return load(spec.write(tmp_path_factory.mktemp("sliding") / f"{MODEL}.gguf"),
+                context_tokens=SLIDING.ctx, step_tokens=SLIDING.step_tokens)
 
+
+@contextmanager
+def client_of(runtime, batch: BatchOptions = BatchOptions(ctx=64)):
+    """An `openai` client of the app served on a free loopback port."""
+    with serve_app(create_app(runtime, ServerOptions(MODEL, batch))) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
 def chat(client, messages, stream: bool):
     """(reply text, usage) of a greedy chat call, whole or streamed with include_usage."""
@@ -78,11 +93,11 @@ def complete(client, prompt_ids, stream: bool):
     return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
 
 
-def fresh(runtime, ask, *args):
+def fresh(runtime, ask, *args, batch: BatchOptions = BatchOptions(ctx=64)):
     """(reply, usage, recorded calls) of one call to a server that has served nothing."""
     recording = RecordingRuntime(runtime)
-    with live_server(recording) as (url, _):
-        reply, usage = ask(openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0), *args)
+    with client_of(recording, batch) as client:
+        reply, usage = ask(client, *args)
     return reply, usage, recording.model.calls
 
 
@@ -93,19 +108,30 @@ def same_logits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.allclose(x, y, rtol=0, atol=1e-5) for x, y in zip(a, b))
 
 
-def rows(calls):
-    return [row for call in calls for _, row in call]
+def rows(calls, prefill: int = 0) -> list[torch.Tensor]:
+    """The last-position rows of the calls from the one that fed the prompt's last token on
+    (those that picked reply tokens); prefill: prompt tokens the calls fed."""
+    fed_so_far, out = 0, []
+    for call in calls:
+        for ids, row in call:
+            fed_so_far += len(ids)
+            if fed_so_far >= prefill:
+                out.append(row)
+    return out
 
 
 def fed(calls) -> list[int]:
     return [t for call in calls for ids, _ in call for t in ids]
 
 
-def test_a_cut_back_cache_is_bit_for_bit_a_fresh_one(runtime):
+@pytest.mark.parametrize("family", ["runtime", "sliding"])
+def test_a_cut_back_cache_is_bit_for_bit_a_fresh_one(family, request):
     """A cache that held a longer sequence, cut back to 8 positions, then fed the rest: the
-    same logits, bit for bit, as a fresh cache fed the same 8 then the same rest."""
-    model, ids = runtime.model, runtime.encode("abcabcabcdab")
-    other = ids[:8] + runtime.encode("dddd")[1:]
+    same logits, bit for bit, as a fresh cache fed the same 8 then the same rest (on the
+    sliding-window model, a ring that still holds the window before position 8)."""
+    loaded = request.getfixturevalue(family)
+    model, ids = loaded.model, loaded.encode("abcabcabcdab")
+    other = ids[:8] + loaded.encode("dddd")[1:]
     reused = model.new_cache()
     model.forward([torch.tensor(other[:8])], [reused])
     model.forward([torch.tensor(other[8:])], [reused])
@@ -146,7 +172,7 @@ def test_a_three_turn_chat_reuses_its_prefix_and_replies_as_a_fresh_server(runti
         in_cache = prompt[:reused] + fed(made)
         alone, alone_usage, alone_calls = fresh(runtime, chat, messages[:2 * turn + 1], turn == 2)
         assert reply == alone and alone_usage.prompt_tokens_details.cached_tokens == 0
-        assert same_logits(rows(made), rows(alone_calls))
+        assert same_logits(rows(made, len(prompt) - reused), rows(alone_calls, len(prompt)))
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
@@ -164,30 +190,35 @@ def test_completions_cut_a_longer_cache_back_to_the_common_prefix(runtime, strea
     assert usage.prompt_tokens_details.cached_tokens == shared
     assert made[0][0][0] == second[shared:]
     alone, _, alone_calls = fresh(runtime, complete, second, stream)
-    assert reply == alone and same_logits(rows(made), rows(alone_calls))
+    assert reply == alone
+    assert same_logits(rows(made, len(second) - shared), rows(alone_calls, len(second)))
 
 
-def test_a_sliding_window_cache_is_reused_only_when_it_holds_exactly_the_prefix(sliding):
-    """docs/SERVER.md's rule: a ring cannot be cut back, so a shorter common prefix means a
-    fresh prefill; a prompt that continues the whole cache reuses all of it."""
+def test_a_sliding_window_cache_is_cut_back_only_while_its_ring_holds_the_window(sliding):
+    """docs/SERVER.md's rule: a ring keeps its last window - 1 + --step-tokens positions, so a
+    prefix a few positions shorter than the cache is reused; one the ring no longer holds the
+    window before is prefilled from scratch."""
     recording = RecordingRuntime(sliding)
     calls = recording.model.calls
-    first = sliding.encode("abcdefghijkl")  # longer than the window of 8
-    with live_server(recording) as (url, _):
-        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    first = sliding.encode("abcdefghijklmnopqrs")  # 20 ids: longer than the ring's 15
+    with client_of(recording, SLIDING) as client:
         complete(client, first, stream=False)
         held = fed(calls)  # the prompt and the reply's fed tokens: all the slot's cache holds
-        longer = held + sliding.encode("bc")[1:]  # the whole cache, continued
+        cut = len(held) - 4  # the ring holds from len(held) - 15; this needs from cut - 7
+        near = held[:cut] + [t for t in sliding.encode("zz")[1:] if t != held[cut]]
         start = len(calls)
-        continued, usage = complete(client, longer, stream=False)
-        continued_calls = calls[start:]
-        assert usage.prompt_tokens_details.cached_tokens == len(held)
-        assert continued_calls[0][0][0] == longer[len(held):]
-        shorter = first[:6] + sliding.encode("zz")[1:]  # shares 6 of the cache's positions
+        near_reply, usage = complete(client, near, stream=False)
+        near_calls = calls[start:]
+        assert usage.prompt_tokens_details.cached_tokens == cut
+        assert near_calls[0][0][0] == near[cut:]
+        far = first[:6] + sliding.encode("zz")[1:]  # needs positions 0..5: long overwritten
         start = len(calls)
-        cut, usage = complete(client, shorter, stream=True)
+        far_reply, usage = complete(client, far, stream=True)
+        far_calls = calls[start:]
         assert usage.prompt_tokens_details.cached_tokens == 0
-        assert calls[start][0][0] == shorter  # prefilled from scratch
-    alone, _, alone_calls = fresh(sliding, complete, longer, False)
-    assert continued == alone and same_logits(rows(continued_calls), rows(alone_calls))
-    assert cut == fresh(sliding, complete, shorter, True)[0]
+        assert fed(far_calls[:1]) == far[:SLIDING.step_tokens]  # prefilled from scratch
+    for prompt, reused, reply, made, stream in ((near, cut, near_reply, near_calls, False),
+                                                (far, 0, far_reply, far_calls, True)):
+        alone, _, alone_calls = fresh(sliding, complete, prompt, stream, batch=SLIDING)
+        assert reply == alone
+        assert same_logits(rows(made, len(prompt) - reused), rows(alone_calls, len(prompt)))

@@ -100,16 +100,24 @@ class KVCache:
         """Commit the tokens every layer has appended."""
         self.length += n_tokens
 
+    def can_truncate(self, n_tokens: int) -> bool:
+        """Whether ``truncate(n_tokens)`` is possible: every sliding-window ring still holds
+        the window - 1 positions before n_tokens (it holds its last ``capacity`` written)."""
+        return n_tokens <= self.length and all(
+            s is None or not w or s.oldest <= max(0, n_tokens - w + 1)
+            for w, s in zip(self.windows, self._layers))
+
     def truncate(self, n_tokens: int) -> None:
         """Forget the positions from ``n_tokens`` on: the server reuses a kept cache for a new
-        prompt that shares only its first ``n_tokens``. Full-attention layers only: a
-        sliding-window ring has already overwritten the older positions it would need again."""
-        if n_tokens < self.length and any(self.windows):
-            raise ValueError("a cache with sliding-window layers cannot be cut back")
-        self.length = min(self.length, n_tokens)
+        prompt that shares only its first ``n_tokens``. Slots of later positions stay written
+        until overwritten; ``attend`` masks them (a key after the query is never seen)."""
+        if not self.can_truncate(n_tokens):
+            raise ValueError(f"a sliding-window ring no longer holds the positions before "
+                             f"{n_tokens}")
+        self.length = n_tokens
         for slots in self._layers:
-            if slots is not None:  # full layers start at position 0 (base 0): slot p is p
-                slots.end = min(slots.end, self.length)
+            if slots is not None:
+                slots.end = min(slots.end, n_tokens)
 
 
 class _LayerSlots:
@@ -120,6 +128,7 @@ class _LayerSlots:
                  old: "_LayerSlots | None", first_kept: int, length: int):
         """Room for ``capacity`` positions, holding positions first_kept..length-1 of ``old``."""
         self.capacity, self.base, self.end = capacity, first_kept, first_kept
+        self.frontier = first_kept  # one past the latest position ever written (>= end)
         self.keys = k.new_empty((capacity, *k.shape[1:]))
         self.values = v.new_empty((capacity, *v.shape[1:]))
         self.positions = torch.empty(capacity, dtype=torch.long)
@@ -128,7 +137,7 @@ class _LayerSlots:
             self.keys[:n] = old.keys[at]  # [n, K, E]
             self.values[:n] = old.values[at]  # [n, K, V]
             self.positions[:n] = old.positions[at]  # [n]
-            self.end = length
+            self.end = self.frontier = length
 
     def slots(self, first: int, end: int) -> slice | torch.Tensor:
         """Where positions first..end-1 live: a slice when they do not wrap (the common
@@ -144,6 +153,12 @@ class _LayerSlots:
         self.keys[at], self.values[at] = k.to(self.keys.dtype), v.to(self.values.dtype)
         self.positions[at] = torch.arange(first, first + k.shape[0])
         self.end = first + k.shape[0]
+        self.frontier = max(self.frontier, self.end)
+
+    @property
+    def oldest(self) -> int:
+        """The first position still held: the slots hold the last ``capacity`` written."""
+        return max(self.base, self.frontier - self.capacity)
 
     @property
     def filled(self) -> int:

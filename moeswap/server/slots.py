@@ -6,10 +6,10 @@ longest prefix with its prompt, else the least recently used one, and its cache 
 that prefix so that only the rest of the prompt is fed. At least one token is always fed (the
 sampler needs the last position's logits): a prompt cached whole re-feeds its last token.
 
-A cache with sliding-window layers (Gemma 3/4, GPT-OSS) keeps a ring, which has overwritten
-older positions and cannot be cut back: it is reused only when it holds exactly the prefix
-(each prompt the previous one's continuation, as a chat's turns are), else it is dropped and
-the prompt is prefilled from scratch.
+A cache with sliding-window layers (Gemma 3/4, GPT-OSS) keeps a ring of its last
+window - 1 + ``--step-tokens`` positions per such layer (what the budget charges): it can be cut
+back while the ring still holds the window - 1 positions before the prefix, i.e. by up to
+``--step-tokens`` positions; a shorter prefix drops the cache and prefills the prompt from scratch.
 
 Kept caches cost no more than the budget already charges: ``HostCharge`` counts ``--max-batch``
 caches of ``--ctx`` positions, one per slot, whether a request is using it or not.
@@ -52,8 +52,8 @@ class Slots:
         self._clock += 1
         slot.busy, slot.used = True, self._clock
         reused = min(shared[id(slot)], len(prompt_ids) - 1)  # feed at least one token
-        if reused and reused < len(slot.ids) and any(slot.cache.windows):
-            reused = 0  # a ring cannot be cut back (module docstring)
+        if reused and not slot.cache.can_truncate(reused):
+            reused = 0  # a ring that no longer holds what the prefix needs (module docstring)
         if reused:
             slot.cache.truncate(reused)
         else:
