@@ -6,10 +6,11 @@ longest prefix with its prompt, else the least recently used one, and its cache 
 that prefix so that only the rest of the prompt is fed. At least one token is always fed (the
 sampler needs the last position's logits): a prompt cached whole re-feeds its last token.
 
-A cache with sliding-window layers (Gemma 3/4, GPT-OSS) keeps a ring of its last
-window - 1 + ``--step-tokens`` positions per such layer (what the budget charges): it can be cut
-back while the ring still holds the window - 1 positions before the prefix, i.e. by up to
-``--step-tokens`` positions; a shorter prefix drops the cache and prefills the prompt from scratch.
+A cache with sliding-window layers (Gemma 3/4, GPT-OSS) keeps a ring of its latest
+window - 1 + ``--step-tokens`` positions per such layer (what the budget charges; without a
+budget, window - 1 + its longest feed): it is cut back only while each ring still holds the
+window - 1 positions before the prefix (``KVCache.can_truncate``); for a shorter prefix the cache
+is dropped and the prompt prefilled from scratch.
 
 Kept caches cost no more than the budget already charges: ``HostCharge`` counts ``--max-batch``
 caches of ``--ctx`` positions, one per slot, whether a request is using it or not.
