@@ -61,11 +61,6 @@ def files(request, tmp_path_factory):
             {t: reference_convert(root / "hf", t) for t in ("f32", "q8_0")})
 
 
-def relative_error(out, ref) -> float:
-    out, ref = torch.as_tensor(out, dtype=torch.float64), torch.as_tensor(ref, dtype=torch.float64)
-    return float((out - ref).abs().max() / ref.abs().max())
-
-
 def moeswap_logits(path) -> torch.Tensor:
     model = load_model(path)
     return model.forward([PROMPT], [model.new_cache()])[0]
@@ -77,6 +72,21 @@ def llama_cpp_logits(path) -> np.ndarray:
                           type_v=GGML_TYPE_F32, flash_attn=False, n_threads=2, verbose=False)
     llm.eval(PROMPT.tolist())
     return np.array(llm.scores[: len(PROMPT)], dtype=np.float64)
+
+
+def assert_matches_transformers(model, reference) -> None:
+    """PROMPT's logits within 1e-4 of transformers', and the same 8-token greedy continuation."""
+    expected = tiny_models.reference_logits(reference, PROMPT.tolist())
+    assert tiny_models.relative_error(model.forward([PROMPT], [model.new_cache()])[0],
+                                      expected) <= 1e-4
+
+    def ours(ids):
+        return model.forward([torch.tensor(ids)], [model.new_cache()])[0][-1]
+
+    def theirs(ids):
+        return tiny_models.reference_logits(reference, ids)[-1]
+
+    assert greedy(ours, PROMPT.tolist(), 8) == greedy(theirs, PROMPT.tolist(), 8)
 
 
 def greedy(next_logits, ids: list[int], steps: int) -> list[int]:
@@ -103,17 +113,7 @@ def test_logits_and_greedy_continuation_match_transformers(files, source):
     family, reference, hf_dir, paths = files
     if family == "kimi_k2" and source == "f32":
         pytest.skip("Kimi-K2's GGUF runs llama.cpp's YaRN (beta 32 / 1), not transformers' (1 / 1)")
-    model = load_model(hf_dir if source == "hf" else paths["f32"])
-    expected = tiny_models.reference_logits(reference, PROMPT.tolist())
-    assert relative_error(model.forward([PROMPT], [model.new_cache()])[0], expected) <= 1e-4
-
-    def ours(ids):
-        return model.forward([torch.tensor(ids)], [model.new_cache()])[0][-1]
-
-    def theirs(ids):
-        return tiny_models.reference_logits(reference, ids)[-1]
-
-    assert greedy(ours, PROMPT.tolist(), 8) == greedy(theirs, PROMPT.tolist(), 8)
+    assert_matches_transformers(load_model(hf_dir if source == "hf" else paths["f32"]), reference)
 
 
 @pytest.mark.llama_cpp
@@ -125,7 +125,7 @@ def test_gguf_matches_llama_cpp(files, out_type):
     attention in float64 does not move it), not yet pinned to its op (docs/ARCHITECTURES.md)."""
     family, _, _, paths = files
     path = paths[out_type]
-    error = relative_error(moeswap_logits(path), llama_cpp_logits(path))
+    error = tiny_models.relative_error(moeswap_logits(path), llama_cpp_logits(path))
     assert error <= (2e-3 if (family, out_type) == ("kimi_k2", "q8_0") else 1e-4)
 
 
@@ -215,4 +215,4 @@ def test_multi_token_prediction_layer_is_skipped(tmp_path):
     tensors["model.layers.3.self_attn.q_a_proj.weight"] = torch.zeros(48, d)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     expected = tiny_models.reference_logits(reference, PROMPT.tolist())
-    assert relative_error(moeswap_logits(tmp_path), expected) <= 1e-4
+    assert tiny_models.relative_error(moeswap_logits(tmp_path), expected) <= 1e-4

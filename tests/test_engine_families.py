@@ -19,10 +19,6 @@ from moeswap.models.quant_experts import QuantResidentExperts
 PROMPT = torch.randint(0, tiny_models.VOCAB, (16,), generator=torch.Generator().manual_seed(1))
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).abs().max() / ref.abs().max())
-
-
 @pytest.fixture(scope="module", params=tiny_models.FAMILIES)
 def family_files(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
@@ -42,7 +38,7 @@ def test_logits_match_transformers(family_files, source):
     expected = tiny_models.reference_logits(reference, PROMPT.tolist())
     out = full_logits(model, PROMPT)
     assert out.dtype == torch.float32 and out.shape == (16, tiny_models.VOCAB)
-    assert relative_error(out, expected) <= 1e-4, family
+    assert tiny_models.relative_error(out, expected) <= 1e-4, family
 
 
 def test_kv_cache_holds_what_the_config_says(family_files):
@@ -62,7 +58,7 @@ def test_incremental_decode_equals_full_forward(family_files):
     steps = [model.forward([PROMPT[:7]], [cache])[0]]
     steps += [model.forward([PROMPT[i:i + 1]], [cache])[0] for i in range(7, 16)]
     assert cache.length == 16
-    assert relative_error(torch.cat(steps), full) <= 1e-5
+    assert tiny_models.relative_error(torch.cat(steps), full) <= 1e-5
 
 
 def test_batch_of_three_at_different_positions(family_files):
@@ -82,7 +78,7 @@ def test_batch_of_three_at_different_positions(family_files):
             got[i].append(out)
     for i, seq in enumerate(sequences):
         assert caches[i].length == len(seq)
-        assert relative_error(torch.cat(got[i]), expected[i]) <= 1e-5
+        assert tiny_models.relative_error(torch.cat(got[i]), expected[i]) <= 1e-5
 
 
 def test_ggml_expert_runner_equals_float_runner(family_files):
@@ -93,7 +89,7 @@ def test_ggml_expert_runner_equals_float_runner(family_files):
         pytest.skip("Gemma 3 is dense: no routed experts")
     ggml_model = load_model(gguf_path, expert_runner=QuantResidentExperts)
     expected = full_logits(load_model(gguf_path), PROMPT)
-    assert relative_error(full_logits(ggml_model, PROMPT), expected) <= 1e-5
+    assert tiny_models.relative_error(full_logits(ggml_model, PROMPT), expected) <= 1e-5
 
 
 def test_one_expert_is_read_alone_and_equals_its_slice(family_files):
@@ -118,4 +114,4 @@ def test_gemma4_vision_bidirectional_attention_leaves_text_causal(tmp_path):
     only, so a text prompt runs exactly as the causal model does."""
     reference = tiny_models.save("gemma4", tmp_path, use_bidirectional_attention="vision")
     expected = tiny_models.reference_logits(reference, PROMPT.tolist())
-    assert relative_error(full_logits(load_model(tmp_path), PROMPT), expected) <= 1e-4
+    assert tiny_models.relative_error(full_logits(load_model(tmp_path), PROMPT), expected) <= 1e-4

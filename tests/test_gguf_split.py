@@ -180,7 +180,8 @@ def test_fix_of_a_set_never_overwrites_a_piece(split_set):
 @pytest.mark.llama_cpp
 def test_llama_cpp_computes_the_same_logits_from_the_set(single, split_set):
     pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
-    from test_llama_cpp_logits import llama_cpp_logits, moeswap_logits, relative_error
+    from test_llama_cpp_logits import llama_cpp_logits, moeswap_logits
+    from tiny_models import relative_error
 
     reference = llama_cpp_logits(single)
     assert np.array_equal(llama_cpp_logits(split_set), reference)

@@ -24,8 +24,9 @@ import tiny_models
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models import load_model
-from test_deepseek3 import (PROMPT, greedy, llama_cpp_logits, moeswap_logits, reference_convert,
-                            relative_error)
+from test_deepseek3 import (PROMPT, assert_matches_transformers, llama_cpp_logits, moeswap_logits,
+                            reference_convert)
+from tiny_models import relative_error
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
 
@@ -78,17 +79,7 @@ def test_the_files_carry_glm_routing_and_the_mtp_layer(files):
 @pytest.mark.parametrize("source", ["hf", "f32"])
 def test_logits_and_greedy_continuation_match_transformers(files, source):
     _, reference, hf_dir, paths = files
-    model = load_model(hf_dir if source == "hf" else paths["f32"])
-    expected = tiny_models.reference_logits(reference, PROMPT.tolist())
-    assert relative_error(model.forward([PROMPT], [model.new_cache()])[0], expected) <= 1e-4
-
-    def ours(ids):
-        return model.forward([torch.tensor(ids)], [model.new_cache()])[0][-1]
-
-    def theirs(ids):
-        return tiny_models.reference_logits(reference, ids)[-1]
-
-    assert greedy(ours, PROMPT.tolist(), 8) == greedy(theirs, PROMPT.tolist(), 8)
+    assert_matches_transformers(load_model(hf_dir if source == "hf" else paths["f32"]), reference)
 
 
 @pytest.mark.llama_cpp

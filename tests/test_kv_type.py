@@ -28,10 +28,6 @@ STEP = 12
 TOKENS = torch.randint(0, tiny_models.VOCAB, (N_TOKENS,), generator=torch.Generator().manual_seed(5))
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).abs().max() / ref.abs().max())
-
-
 @pytest.fixture(scope="module", params=("gemma3", "deepseek2_lite", "gpt_oss"))
 def folder(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
@@ -59,8 +55,8 @@ def test_an_f16_cache_is_half_the_bytes_and_keeps_the_logits(folder):
     assert all(s.keys.dtype == torch.float16 for s in cache._layers)
     assert 2 * cache.n_floats() == kv_cache_bytes(c, N_TOKENS, step_tokens=STEP, kv_type="f16")
     assert 2 * kv_cache_bytes(c, N_TOKENS, 1, STEP, "f16") == kv_cache_bytes(c, N_TOKENS, 1, STEP)
-    assert relative_error(by_token, reference) < 5e-3  # the f16 rounding of keys, values, q, probs
-    assert relative_error(chunked, by_token) < 1e-3
+    assert tiny_models.relative_error(by_token, reference) < 5e-3  # the f16 rounding of keys, values, q, probs
+    assert tiny_models.relative_error(chunked, by_token) < 1e-3
     assert torch.equal(by_token.argmax(-1), reference.argmax(-1))
 
 

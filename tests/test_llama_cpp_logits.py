@@ -42,10 +42,6 @@ def moeswap_logits(path, kv_type: str = "f32") -> np.ndarray:
     return model.forward([PROMPT], [model.new_cache()])[0].double().numpy()
 
 
-def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(out - ref).max() / np.abs(ref).max())
-
-
 @pytest.fixture(scope="module", params=tiny_models.FAMILIES)
 def f32_file(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
@@ -55,7 +51,7 @@ def f32_file(request, tmp_path_factory):
 
 def test_logits_match_llama_cpp(f32_file):
     family, path = f32_file
-    error = relative_error(moeswap_logits(path), llama_cpp_logits(path))
+    error = tiny_models.relative_error(moeswap_logits(path), llama_cpp_logits(path))
     assert error <= (2e-3 if family.startswith(GELU_FAMILIES) else 1e-4), family
 
 
@@ -71,7 +67,7 @@ def test_gemma_matches_llama_cpp_with_its_f16_gelu(tmp_path, monkeypatch, family
     path = convert(tmp_path / "hf", tmp_path / "model.f32.gguf", "f32")
     reference = llama_cpp_logits(path)
     monkeypatch.setattr(F, "gelu", ggml_fp16_gelu)
-    assert relative_error(moeswap_logits(path), reference) <= 1e-4
+    assert tiny_models.relative_error(moeswap_logits(path), reference) <= 1e-4
 
 # Families not yet within 1e-4 with an f16 cache (issue 24), the bound measured with some
 # room: an f16 rounding that lands the other way changes a logit by ~1e-4, and the cause of
@@ -89,5 +85,5 @@ def test_f16_kv_logits_match_llama_cpp_with_f16_kv(f32_file, monkeypatch):
     reference = llama_cpp_logits(path, GGML_TYPE_F16)
     if family.startswith(GELU_FAMILIES):
         monkeypatch.setattr(F, "gelu", ggml_fp16_gelu)
-    error = relative_error(moeswap_logits(path, "f16"), reference)
+    error = tiny_models.relative_error(moeswap_logits(path, "f16"), reference)
     assert error <= F16_KV_GAPS.get(family, 1e-4), family

@@ -79,7 +79,8 @@ def test_mxfp4_experts_are_computed_from_their_bytes(files, monkeypatch):
 @pytest.mark.llama_cpp
 def test_llama_cpp_agrees_on_mxfp4_experts(files):
     pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
-    from test_llama_cpp_logits import llama_cpp_logits, relative_error
+    from test_llama_cpp_logits import llama_cpp_logits
+    from tiny_models import relative_error
 
     for path in files:
         ours = logits(load_model(path)).double().numpy()

@@ -64,10 +64,6 @@ def logits(path) -> torch.Tensor:
     return model.forward([PROMPT], [model.new_cache()])[0]
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).abs().max() / ref.abs().max())
-
-
 def assert_matches_llama_cpp(path: Path) -> None:
     pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
     from test_llama_cpp_logits import llama_cpp_logits
@@ -94,7 +90,7 @@ def test_qwen2moe_official_file_matches_transformers(qwen2moe):
     assert stored["blk.0.ffn_gate_inp_shexp.weight"] == [64, 1]  # ne: torch [1, n_embd]
     expected = tiny_models.reference_logits(reference, PROMPT.tolist())
     for source in (hf_dir, files["f32"]):
-        assert relative_error(logits(source), expected) <= 1e-4, source
+        assert tiny_models.relative_error(logits(source), expected) <= 1e-4, source
 
 
 @pytest.mark.llama_cpp
@@ -225,8 +221,8 @@ def test_gpt_oss_mxfp4_folder_runs_as_published(gpt_oss_mxfp4):
     assert types["blk.0.ffn_gate_exps.weight"] == types["blk.0.ffn_down_exps.weight"] == "MXFP4"
     expected = tiny_models.reference_logits(reference, PROMPT.tolist())
     direct = logits(folder)
-    assert relative_error(direct, logits(files["f32"])) <= 1e-6
-    assert relative_error(direct, expected) <= 1e-4
+    assert tiny_models.relative_error(direct, logits(files["f32"])) <= 1e-6
+    assert tiny_models.relative_error(direct, expected) <= 1e-4
 
 
 @pytest.mark.llama_cpp
@@ -320,7 +316,7 @@ def test_gemma4_official_file_matches_transformers(gemma4):
     reference, hf_dir, files = gemma4
     expected = tiny_models.reference_logits(reference, PROMPT.tolist())
     for source in (hf_dir, files["f32"]):
-        assert relative_error(logits(source), expected) <= 1e-4, source
+        assert tiny_models.relative_error(logits(source), expected) <= 1e-4, source
 
 
 @pytest.mark.llama_cpp

@@ -13,7 +13,7 @@ from gguf import GGUFValueType as T
 
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from moeswap.server.slots import common_prefix
+from moeswap.context_window import common_prefix_length as common_prefix
 from test_server import MODEL, TEMPLATE, load, one_thread, write_model  # noqa: F401 (fixture)
 from test_server_live import live_server, serve_app
 

@@ -48,10 +48,6 @@ class FullHistory:
         self.length += n_tokens
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).abs().max() / ref.abs().max())
-
-
 @pytest.fixture(scope="module", params=SWA_FAMILIES)
 def family(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
@@ -73,7 +69,7 @@ def run_chunks(model, cache, chunks: list[int]) -> torch.Tensor:
 
 
 def assert_same(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert relative_error(out, ref) <= 1e-5
+    assert tiny_models.relative_error(out, ref) <= 1e-5
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
@@ -110,7 +106,7 @@ def test_trimmed_cache_gives_the_full_history_logits(family, schedule):
 def test_trimmed_cache_matches_transformers_past_the_window(family, chunks):
     _, reference, model = family
     expected = tiny_models.reference_logits(reference, TOKENS.tolist())
-    assert relative_error(run_chunks(model, model.new_cache(), chunks), expected) <= 1e-4
+    assert tiny_models.relative_error(run_chunks(model, model.new_cache(), chunks), expected) <= 1e-4
 
 
 def test_batch_of_two_sequences_of_different_lengths(family):

@@ -200,6 +200,13 @@ def save(family: str, folder: Path, seed: int = 0, **overrides):
     return model
 
 
+def relative_error(out, ref) -> float:
+    """Largest absolute difference over the reference's largest magnitude (tensors or arrays,
+    compared in float64)."""
+    out, ref = torch.as_tensor(out, dtype=torch.float64), torch.as_tensor(ref, dtype=torch.float64)
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()

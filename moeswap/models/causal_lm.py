@@ -155,13 +155,15 @@ def build_pre_norm(config: ModelConfig, source: Any, weights: Any, experts: Expe
                    recorder: DecisionRecorder | None = None, *, ffn_norm: str = "ffn_norm",
                    shared_expert: SharedExpertFactory | None = None) -> CausalLM:
     """The pre-norm decoder the llama-like families share: attention, then the MoE block (a dense
-    FFN when the model has no experts). Families differ in the FFN norm's name and the shared
-    expert; everything else (biases, q/k norms, rope kind, multipliers) the config carries."""
+    FFN in the leading dense layers and in a model without experts). Families differ in the FFN
+    norm's name and the shared expert; everything else (biases, q/k norms, rope kind,
+    multipliers) the config carries."""
     rotary = rope(config, weights)
+    moe = set(config.moe_layers)
     layers = []
     for i in range(config.n_layer):
         attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
-        if config.is_moe:
+        if i in moe:
             shared = shared_expert(weights, i) if shared_expert else None
             ffn = MoEBlock(i, router(config, weights, i), experts, shared, recorder=recorder)
         else:

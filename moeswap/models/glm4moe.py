@@ -11,24 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 from moeswap.formats.config import ModelConfig
-from moeswap.models.blocks import Attention
-from moeswap.models.causal_lm import (CausalLM, PreNormLayer, assemble, attention_spec,
-                                      attention_weights, dense_ffn, rope, router)
-from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, SharedExpert
+from moeswap.models.causal_lm import CausalLM, build_pre_norm, dense_ffn
+from moeswap.models.moe import DecisionRecorder, ExpertRunner, SharedExpert
+
+
+def ungated_shared_expert(weights: Any, layer: int) -> SharedExpert:
+    return SharedExpert(dense_ffn(weights, layer, "_shexp"))
 
 
 def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
           recorder: DecisionRecorder | None = None) -> CausalLM:
-    rotary = rope(config, weights)
-    layers = []
-    for i in range(config.n_layer):
-        attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
-        if i < config.n_layer_dense_lead:
-            ffn: Any = dense_ffn(weights, i)
-        else:
-            ffn = MoEBlock(i, router(config, weights, i), experts,
-                           SharedExpert(dense_ffn(weights, i, "_shexp")), recorder)
-        layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), attention,
-                                   weights.tensor(f"blk.{i}.post_attention_norm.weight"), ffn,
-                                   config.rms_eps))
-    return assemble(config, source, weights, layers, recorder)
+    return build_pre_norm(config, source, weights, experts, recorder,
+                          ffn_norm="post_attention_norm", shared_expert=ungated_shared_expert)

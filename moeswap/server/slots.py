@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from moeswap.context_window import common_prefix_length
+
 
 @dataclass
 class Slot:
@@ -28,15 +30,6 @@ class Slot:
     cache: Any = None
     used: int = 0  # when it was last handed out (a counter; 0: never)
     busy: bool = False
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Slots:
@@ -48,7 +41,7 @@ class Slots:
     def take(self, prompt_ids: list[int]) -> tuple[Slot, Any, int]:
         """A free slot for this prompt -> (slot, its cache, prompt tokens already in it)."""
         free = [s for s in self.slots if not s.busy]  # the scheduler runs <= count requests
-        shared = {id(s): common_prefix(s.ids, prompt_ids) for s in free}
+        shared = {id(s): common_prefix_length(s.ids, prompt_ids) for s in free}
         slot = max(free, key=lambda s: (shared[id(s)], -s.used))  # no prefix: least recent
         self._clock += 1
         slot.busy, slot.used = True, self._clock
