@@ -163,15 +163,17 @@ def test_one_ctrl_c_at_the_prompt_asks_and_a_second_quits(monkeypatch):
 
 
 def test_chat_shows_that_it_is_loading(moe_path, monkeypatch, capsys):
-    from rich.console import Console
+    from rich.progress import Progress
 
     said = []
-    status = Console.status
-    monkeypatch.setattr(Console, "status", lambda self, text, **kw: said.append(text)
-                        or status(self, text, **kw))
+    add_task = Progress.add_task  # the progress line: tensors mapped, time (cli/load_report)
+    monkeypatch.setattr(Progress, "add_task", lambda self, text, **kw: said.append(text)
+                        or add_task(self, text, **kw))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     assert main(["chat", str(moe_path)]) == 0
     assert said == [f"loading {moe_path}"]
+    err = capsys.readouterr().err
+    assert f"loaded {moe_path}: " in err and "moeswap chat: memory: " in err
 
 
 # -- 5. dense models in the planner ---------------------------------------------------------

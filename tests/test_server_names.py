@@ -11,7 +11,7 @@ import pytest
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
 from moeswap.server.app import ServerOptions
-from test_server import MODEL, TEMPLATE, load, serve, write_model  # noqa: F401
+from test_server import MODEL, TEMPLATE, load, serve, wait_until, write_model  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -44,34 +44,40 @@ def test_without_strict_model_any_name_is_served(runtime):
 def test_serve_defaults_to_the_built_in_model_and_warns_past_the_trained_context(monkeypatch,
                                                                                  capsys):
     import uvicorn
+    from fastapi.testclient import TestClient
 
     import moeswap
 
     served = {}
 
     def run(server, sockets):
-        served.update(app=server.config.app, address=sockets[0].getsockname()[:2])
+        """uvicorn's run, in a test client: its lifespan starts the load; wait for it."""
+        served.update(address=sockets[0].getsockname()[:2])
         sockets[0].close()
+        with TestClient(server.config.app, base_url="http://127.0.0.1") as client:
+            assert wait_until(lambda: client.get("/health").status_code == 200)
+            served.update(ids=[m["id"] for m in client.get("/v1/models").json()["data"]])
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
     assert main(["serve", "-c", "4096", "-a", "local", "-t", "1", "--port", "0"]) == 0
     assert served["address"][0] == "127.0.0.1"
     assert "--ctx 4096 is more than the 1024 positions" in capsys.readouterr().err
-    from fastapi.testclient import TestClient
-
-    with TestClient(served["app"], base_url="http://127.0.0.1") as client:
-        ids = [m["id"] for m in client.get("/v1/models").json()["data"]]
-    assert ids == [moeswap.DEFAULT_MODEL.stem, "local"]
+    assert served["ids"] == [moeswap.DEFAULT_MODEL.stem, "local"]
     assert main(["serve", "-c", "512", "--port", "0"]) == 0  # within the trained context
     err = capsys.readouterr().err
     assert "positions this model was trained for" not in err
-    assert re.search(r"every weight in RAM \(no --host-mem\); page at http://127.0.0.1:\d+/$", err,
-                     re.M)
+    # no budget given: --plan auto, for 8 contexts of 512 positions; the model fits in RAM
+    assert "512 positions x 8 sequences" in err and "all resident" in err
+    assert re.search(r"^moeswap serve: memory: every weight in RAM \(no --host-mem\): shared "
+                     r"weights .*, KV cache .* \(f16\), working memory .*, experts .*$", err, re.M)
+    assert re.search(r"^moeswap serve: page at http://127.0.0.1:[1-9]\d*/$", err, re.M)
     assert main(["serve", "-c", "256", "--host-mem", "40MiB", "--port", "0"]) == 0
-    summary = [line for line in capsys.readouterr().err.splitlines()
-               if line.startswith("moeswap serve: --host-mem 40MiB: shared weights")]
-    assert len(summary) == 1 and re.search(r"page at http://127.0.0.1:[1-9]\d*/$", summary[0])
-    assert "host slots" in summary[0]
+    err = capsys.readouterr().err
+    assert "plan auto" not in err  # the budget given
+    summary = [line for line in err.splitlines()
+               if line.startswith("moeswap serve: memory: --host-mem 40MiB: shared weights")]
+    assert len(summary) == 1 and "experts and staging" in summary[0]
+    assert re.search(r"^moeswap serve: experts: 96 in all; slots per tier: host \d+ ", err, re.M)
 
 
 def test_a_busy_port_is_reported_before_loading(monkeypatch, capsys):

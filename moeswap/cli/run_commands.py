@@ -5,10 +5,10 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from moeswap.cli.common_args import (add_model_argument, add_threads_argument,
-                                     warn_beyond_training)
+from moeswap.cli.common_args import (add_force_argument, add_model_argument,
+                                     add_threads_argument, warn_beyond_training)
+from moeswap.cli.load_report import load_progress
 from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
                                       add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
@@ -34,6 +34,7 @@ def register(subparsers) -> None:
     add_step_tokens_argument(p)
     add_kv_type_argument(p)
     add_offload_arguments(p)
+    add_force_argument(p)
     p.add_argument("--plan", choices=["auto"],
                    help="budgets from the planner for this machine's free RAM and GPU, printed "
                         "first; --host-mem / --device-mem given win (docs/PLANNER.md)")
@@ -58,16 +59,7 @@ def run_generate(args) -> int:
         from moeswap.routing.recorder import RoutingRecorder
 
         recorder = RoutingRecorder()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                  TextColumn("{task.completed} tensors mapped"), TimeElapsedColumn(),
-                  console=err, transient=True) as progress:
-        task = progress.add_task(f"loading {model_path}", total=None)
-
-        def on_tensor(line: str) -> None:
-            progress.advance(task)
-            if args.verbose:
-                progress.console.print(line, markup=False)
-
+    with load_progress(model_path, err, args.verbose) as (progress, on_tensor):
         prompt = len(args.prompt.encode()) + 1  # at most a token per byte, and BOS
         context = args.ctx or prompt + args.n_predict
         # the most tokens one forward feeds: a prompt chunk (decode steps feed one)
@@ -76,6 +68,7 @@ def run_generate(args) -> int:
                    if args.plan == "auto" else None)
         settings = offload_settings(args, budgets)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
+                               force=args.force,
                                recorder=recorder, replay_routing=args.replay_routing,
                                **offload_load_options(settings, HostCharge.for_sequence(
                                    context, step, args.kv_type), args.threads))
@@ -84,9 +77,6 @@ def run_generate(args) -> int:
                                "experts; there is no routing to trace (drop --trace)")
         if args.ctx:
             warn_beyond_training(runtime, args.ctx)
-        loaded = progress.tasks[0]
-        err.print(f"loaded {model_path}: {int(loaded.completed)} tensors in "
-                  f"{loaded.elapsed:.1f} s", markup=False)
 
     stats = GenerationStats()
     prompt_ids = runtime.encode(args.prompt)
@@ -116,10 +106,11 @@ def run_generate(args) -> int:
     return 0
 
 
-def auto_budgets(args, model_path, context: int, console,
-                 step_tokens: int) -> tuple[int | None, int]:
+def auto_budgets(args, model_path, context: int, console, step_tokens: int,
+                 sequences: int = 1) -> tuple[int | None, int]:
     """The plan's (host, device) budgets for this machine (the flags given stay; host None:
-    all resident), its lines printed; ``step_tokens``: the most tokens one forward feeds."""
+    all resident), its lines printed; ``step_tokens``: the most tokens one forward feeds;
+    ``sequences``: contexts cached at once (serve's --max-batch)."""
     from moeswap.memory import parse_size
     from moeswap.planner.auto import auto_plan, machine_memory
     from moeswap.planner.rates import plan_rates
@@ -128,7 +119,7 @@ def auto_budgets(args, model_path, context: int, console,
     auto = auto_plan(model_path, context, machine_memory(), plan_rates({}),
                      parse_size(args.host_mem) if args.host_mem else None,
                      parse_size(args.device_mem) if args.device_mem else None, profile,
-                     step_tokens, args.kv_type)
+                     step_tokens, args.kv_type, sequences)
     for line in auto.describe():
         console.print(line, markup=False)
     return auto.host_bytes, auto.device_bytes

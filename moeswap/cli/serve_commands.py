@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from moeswap.cli.common_args import (add_model_argument, add_threads_argument, default_ctx,
-                                     warn_beyond_training)
+from moeswap.cli.common_args import (add_force_argument, add_model_argument,
+                                     add_threads_argument, default_ctx, warn_beyond_training)
+from moeswap.cli.load_report import load_progress, memory_summary
 from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
                                       add_step_tokens_argument,
                                       offload_load_options, offload_settings)
@@ -28,6 +29,12 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
     add_step_tokens_argument(p, step_scope)
     add_kv_type_argument(p)
     add_offload_arguments(p)
+    add_force_argument(p)
+    p.add_argument("--plan", choices=["auto", "off"], default=None,
+                   help="auto: budgets from the planner for this machine's free RAM and GPU and "
+                        "for the KV caches and steps asked for, printed first (--host-mem / "
+                        "--device-mem given win); off: only the flags' budgets (default: auto "
+                        "unless --host-mem is given, or the model is a folder; docs/PLANNER.md)")
 
 
 def register(subparsers) -> None:
@@ -55,34 +62,57 @@ def register(subparsers) -> None:
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="also answer requests whose Host header is NAME (repeatable); "
                         "localhost names, IP addresses and --host are always answered")
+    p.add_argument("--log-level", choices=["warning", "info", "debug"], default="info",
+                   help="uvicorn's log: info lists each request but the polling of /health, "
+                        "/metrics and the page's /v1/moeswap/experts, which debug adds (info)")
     p.set_defaults(handler=run_serve)
 
     c = subparsers.add_parser("chat", help="chat with a model in the terminal, streamed")
     _add_model_arguments(c, "positions of the whole conversation (default: 4096, or the "
-                            "model's trained context when shorter)")
+                            "model's trained context when shorter)", required=False)
     c.add_argument("--system", default=None, help="a system prompt")
     c.add_argument("-n", "--n-predict", type=int, default=512, help="most tokens per reply (512)")
     add_sampling_arguments(c)
     c.set_defaults(handler=run_chat)
 
 
-def _load(args, charge, recorder=None):
-    """The runtime; its expert store's host budget pays ``charge`` (a moeswap.memory.HostCharge),
-    and it chats with ``--chat-template`` or the model's own (said when it falls back)."""
+def _load(args, charge, progress, recorder=None):
+    """The runtime; its expert store's host budget pays ``charge`` (a moeswap.memory.HostCharge)
+    under the budgets --plan chose (printed), and it chats with ``--chat-template`` or the
+    model's own (said when it falls back). ``progress``: load_progress's (progress,
+    verbose_log), which the plan's lines print above."""
     import sys
 
     import moeswap
     from moeswap.template_library import FALLBACK, template_source
 
     template = template_source(args.chat_template) if args.chat_template else None
+    budgets = planned_budgets(args, charge, progress[0].console)
     runtime = moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
-                           recorder=recorder, chat_template=template,
-                           **offload_load_options(offload_settings(args), charge, args.threads))
+                           force=args.force, recorder=recorder, chat_template=template, verbose_log=progress[1],
+                           **offload_load_options(offload_settings(args, budgets), charge,
+                                                  args.threads))
     if runtime.chat_template_fallback:
         print(f"moeswap: warning: {args.model} has no chat template: chat uses the {FALLBACK} "
               "one (role: text lines); give --chat-template FILE or chatml, llama3, gemma",
               file=sys.stderr)
     return runtime
+
+
+def planned_budgets(args, charge, console) -> tuple[int | None, int] | None:
+    """--plan auto's (host, device) budgets for ``charge``'s contexts, sequences and steps, its
+    lines printed; None: the flags' own (--plan off, the default with --host-mem or a folder,
+    which the planner cannot read)."""
+    from pathlib import Path
+
+    from moeswap.cli.run_commands import auto_budgets
+
+    plan = args.plan or ("off" if args.host_mem is not None or Path(args.model).is_dir()
+                         else "auto")
+    if plan == "off":
+        return None
+    return auto_budgets(args, args.model, charge.context_tokens, console, charge.step_tokens,
+                        charge.sequences)
 
 
 def listen(host: str, port: int):
@@ -102,44 +132,26 @@ def listen(host: str, port: int):
     return sock
 
 
-def start_summary(runtime, args, port: int) -> str:
-    """One line at start: what the host budget holds and where the page is."""
-    from moeswap.memory import format_size
-
-    where = f"http://{args.host}:{port}/"
-    stats = runtime.stats()
-    if "tiers" not in stats:
-        return f"moeswap serve: {args.model}: every weight in RAM (no --host-mem); page at {where}"
-    host = stats["tiers"]["host"]
-    experts = host["held_bytes"] - sum(stats[k] for k in ("shared_bytes", "kv_bytes",
-                                                          "working_bytes"))
-    device = stats["tiers"]["device"]
-    return (f"moeswap serve: --host-mem {format_size(host['budget_bytes'])}: shared weights "
-            f"{format_size(stats['shared_bytes'])}, KV cache {format_size(stats['kv_bytes'])}, "
-            f"working memory {format_size(stats['working_bytes'])}, experts and staging "
-            f"{format_size(experts)} ({host['slots']} host slots"
-            + (f", {device['slots']} device slots" if device["slots"] else "")
-            + f"); page at {where}")
-
-
 def run_serve(args) -> int:
+    """Binds the port, answers /health 503 while the model loads on a thread, then serves."""
     import sys
     from pathlib import Path
 
     import uvicorn
 
+    import moeswap
+    from moeswap.memory import parse_size
+    from moeswap.server.access_log import quiet_polling
     from moeswap.server.activity import ExpertActivity
     from moeswap.server.app import ServerOptions, create_app
     from moeswap.server.batching import BatchOptions
-    from rich.console import Console
-
-    import moeswap
-    from moeswap.memory import parse_size
     from moeswap.server.budget import batch_charge
+    from moeswap.server.loading import LoadingGate
 
     args.model = args.model or str(moeswap.DEFAULT_MODEL)
     args.ctx = args.ctx or default_ctx(args.model)
     listening = listen(args.host, args.port)  # a busy port is said now, not after loading
+    page = f"http://{args.host}:{listening.getsockname()[1]}/"
     batch = BatchOptions(max_batch=args.max_batch, queue_size=args.queue, ctx=args.ctx,
                          step_tokens=args.step_tokens)
     options = ServerOptions(model_name=Path(args.model).stem or Path(args.model).name, batch=batch,
@@ -147,34 +159,53 @@ def run_serve(args) -> int:
                             ctx_policy=args.ctx_policy,
                             api_key=args.api_key, max_body=parse_size(args.max_body),
                             bind_host=args.host, allow_hosts=tuple(args.allow_host))
-    activity = ExpertActivity()  # the web page's expert grid: which experts each step used
-    with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
-        runtime = _load(args, batch_charge(batch, args.kv_type), activity)
-    warn_beyond_training(runtime, args.ctx)
-    print(start_summary(runtime, args, listening.getsockname()[1]), file=sys.stderr)
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime, options, activity),
-                                           log_level="info"))
+
+    def load():
+        charge = batch_charge(batch, args.kv_type)
+        activity = ExpertActivity()  # the web page's expert grid: which experts each step used
+        with load_progress(args.model, _stderr()) as progress:
+            runtime = _load(args, charge, progress, activity)
+        warn_beyond_training(runtime, args.ctx)
+        for line in memory_summary(runtime, args.model, charge) + [f"page at {page}"]:
+            print(f"moeswap serve: {line}", file=sys.stderr)
+        return create_app(runtime, options, activity)
+
+    print(f"moeswap serve: loading {args.model}; GET /health answers 503 until it is ready, "
+          f"at {page}health", file=sys.stderr)
+    gate = LoadingGate(load, on_failure=lambda: setattr(server, "should_exit", True))
+    server = uvicorn.Server(uvicorn.Config(gate, log_level=args.log_level))
+    quiet_polling()  # after uvicorn.Config, which (re)configures its loggers
     server.run(sockets=[listening])
+    if gate.error is not None:  # the load failed: said as any command's error
+        raise gate.error
     return 0
+
+
+def _stderr():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def run_chat(args) -> int:
     import sys
 
-    from rich.console import Console
-
+    import moeswap
     from moeswap.chat import ChatOptions, ChatSession
     from moeswap.memory import HostCharge
 
     sampling = sampling_params(args)
+    args.model = args.model or str(moeswap.DEFAULT_MODEL)
     args.ctx = args.ctx or default_ctx(args.model)
     options = ChatOptions(ctx=args.ctx, ctx_policy=args.ctx_policy, max_tokens=args.n_predict,
                           system=args.system, step_tokens=args.step_tokens)
     # a turn's new tokens may fill the context; they are fed a chunk at a time
     charge = HostCharge.for_sequence(args.ctx, min(args.step_tokens, args.ctx), args.kv_type)
-    with Console(stderr=True).status(f"loading {args.model}"):  # big models take a while
-        runtime = _load(args, charge)
+    with load_progress(args.model, _stderr()) as progress:
+        runtime = _load(args, charge, progress)
     warn_beyond_training(runtime, args.ctx)
+    for line in memory_summary(runtime, args.model, charge):
+        print(f"moeswap chat: {line}", file=sys.stderr)
     session = ChatSession(runtime, options, sampling)
     session.run(sys.stdin, sys.stdout)
     return 0

@@ -44,7 +44,8 @@ class AutoPlan:
         gpu = f"GPU {gib(m.gpu_free)} free" if m.gpu_free else "no GPU"
         lines = [f"plan auto: RAM {gib(m.free_ram)} free of {gib(m.total_ram)}, {gpu}; "
                  f"planned for host {gib(p.budget.host_bytes)}, device "
-                 f"{gib(p.budget.device_bytes)}, {p.budget.context} positions"]
+                 f"{gib(p.budget.device_bytes)}, {p.budget.context} positions"
+                 + (f" x {p.budget.batch} sequences" if p.budget.batch > 1 else "")]
         if not p.all_experts:
             lines.append("plan auto: a dense model: every weight stays in RAM (no expert store)")
         elif self.host_bytes is None:
@@ -93,10 +94,11 @@ def device_computable(path: str | Path) -> bool:
 def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rates: PlanRates,
               host_bytes: int | None = None, device_bytes: int | None = None,
               profile_path: str | None = None, step_tokens: int = STEP_TOKENS,
-              kv_type: str = "f32") -> AutoPlan:
+              kv_type: str = "f32", sequences: int = 1) -> AutoPlan:
     """The plan for ``machine`` (budgets given here win over its memory) and the run's budgets;
     ``step_tokens``: the most tokens one forward feeds (a prompt chunk; 0: a whole context);
-    ``kv_type``: of the KV cache the run will keep.
+    ``kv_type``: of the KV cache the run will keep; ``sequences``: contexts cached at once
+    (serve's --max-batch).
     A plan that cannot fit raises the planner's refusal."""
     if Path(model_path).is_dir():
         raise MoeswapError(f"{model_path}: --plan auto reads a GGUF header; convert the folder "
@@ -119,8 +121,8 @@ def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rat
         gf.close()
     profile = Profile.load(profile_path) if profile_path else None
     try:
-        budget = Budget(device_bytes, host_bytes, context_tokens, step_tokens=step_tokens,
-                        kv_type=kv_type)
+        budget = Budget(device_bytes, host_bytes, context_tokens, batch=sequences,
+                        step_tokens=step_tokens, kv_type=kv_type)
         plan = make_plan(sizes, budget, rates, profile)
     except MoeswapError as refusal:
         if not from_machine:
