@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from moeswap.sampling import Sampler, SamplingParams
 from moeswap.server.batching import BatchScheduler, Event
@@ -31,6 +31,8 @@ class Piece:
     # or held back by a stop string)
     tokens: tuple[Event, ...] = ()
     cached_tokens: int = 0  # set on the last piece: prompt tokens reused from a kept cache
+    ids: tuple[int, ...] = ()  # set on the last piece: every token the choice generated
+    tool_calls: tuple[Any, ...] = ()  # moeswap.server.tool_calls.ToolCall, where parsed
 
 
 class StopStrings:
@@ -66,8 +68,10 @@ class Choices:
 
     def __init__(self, scheduler: BatchScheduler, tokenizer: Tokenizer, prompt_ids: list[int], *,
                  n: int, max_tokens: int, params: SamplingParams, stops: Sequence[str],
-                 logprobs: int | None = None):
-        """logprobs: alternatives to report per token (None: no logprobs)."""
+                 logprobs: int | None = None,
+                 make_sampler: Callable[[SamplingParams], Sampler] = Sampler):
+        """logprobs: alternatives to report per token (None: no logprobs). make_sampler: each
+        choice's sampler (moeswap.server.constrained's, for a grammar)."""
         loop = asyncio.get_running_loop()
         self.tokenizer = tokenizer
         self.prompt_ids = prompt_ids
@@ -83,7 +87,7 @@ class Choices:
                     loop.call_soon_threadsafe(self.events.put_nowait, (index, event))
 
                 self.requests.append(scheduler.submit(
-                    prompt_ids, max_tokens=max_tokens, sampler=Sampler(seeded),
+                    prompt_ids, max_tokens=max_tokens, sampler=make_sampler(seeded),
                     stop_ids=tokenizer.stop_ids, on_event=on_event, logprobs=logprobs))
         except BaseException:
             self.cancel()
@@ -98,6 +102,7 @@ class Choices:
         texts = [self.tokenizer.stream(self.prompt_ids) for _ in range(n)]
         cuts = [StopStrings(self.stops) for _ in range(n)]
         counts = [0] * n
+        generated: list[list[int]] = [[] for _ in range(n)]
         held: list[list[Event]] = [[] for _ in range(n)]  # token events not yet on a piece
         running = n
         try:
@@ -110,6 +115,7 @@ class Choices:
                     raise GenerationFailed(event.error)
                 if event.token is not None:
                     counts[index] += 1
+                    generated[index].append(event.token)
                     if event.logprob is not None:
                         held[index].append(event)
                     text = cut.push(texts[index].push(event.token))
@@ -117,13 +123,14 @@ class Choices:
                         self.requests[index].cancel()
                         running -= 1
                         yield Piece(index, text, "stop", counts[index], _take(held[index]),
-                                    self.requests[index].cached)
+                                    self.requests[index].cached, tuple(generated[index]))
                     elif text:
                         yield Piece(index, text, tokens=_take(held[index]))
                     continue
                 running -= 1
                 yield Piece(index, cut.flush(), event.finish_reason, counts[index],
-                            _take(held[index]), self.requests[index].cached)
+                            _take(held[index]), self.requests[index].cached,
+                            tuple(generated[index]))
         finally:
             self.cancel()
 

@@ -78,9 +78,10 @@ class Prompts:
         except Exception as e:
             raise ApiError(400, f"prompt: cannot tokenize: {e}", param="prompt") from None
 
-    async def chat_ids(self, messages: list[dict]) -> tuple[list[int], int]:
-        """(ids, how many leading ids keep-recent keeps: BOS and the system prompt)."""
-        text = await self._render(messages, add_generation_prompt=True)
+    async def chat_ids(self, messages: list[dict], **variables: Any) -> tuple[list[int], int]:
+        """(ids, how many leading ids keep-recent keeps: BOS and the system prompt).
+        variables: more for the template (``tools``)."""
+        text = await self._render(messages, add_generation_prompt=True, **variables)
         size = len(text.encode()) - 3 * text.count(SpecialTexts.MARK)  # a mark stands for no text
         self._check_length(self._fewest_tokens(size), size, "messages")
         system = []
@@ -91,7 +92,7 @@ class Prompts:
         alone = None
         if system:
             try:
-                alone = await self._render(system, add_generation_prompt=False)
+                alone = await self._render(system, add_generation_prompt=False, **variables)
             except ApiError:
                 pass
         bos_text = self.runtime.tokenizer.token_text(self.runtime.tokenizer.bos_id)

@@ -65,15 +65,17 @@ class Reply:
     def whole(self, pieces: list[Piece], n: int) -> dict:
         texts, finish, used, cached = [""] * n, [None] * n, 0, 0
         events: list[list] = [[] for _ in range(n)]
+        calls: list[list] = [[] for _ in range(n)]
         for p in pieces:
             texts[p.index] += p.text
             events[p.index] += p.tokens
+            calls[p.index] += p.tool_calls
             if p.finish_reason is not None:
                 finish[p.index] = p.finish_reason
                 used += p.completion_tokens
                 cached = max(cached, p.cached_tokens)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+            choices = [{"index": i, "message": _message(texts[i], calls[i]),
                         "logprobs": self._logprobs(events[i]), "finish_reason": finish[i]}
                        for i in range(n)]
         else:
@@ -107,6 +109,11 @@ class Reply:
                     yield event(self._chunk(p.index, p.text, None,
                                             logprobs=self._logprobs(p.tokens, sent[p.index])))
                     sent[p.index] += len(p.text)
+                if p.tool_calls:
+                    calls = [call.as_openai(k) for k, call in enumerate(p.tool_calls)]
+                    yield event({**self._head("chat.completion.chunk"), "choices": [
+                        {"index": p.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                         "finish_reason": None}]})
                 if p.finish_reason is not None:
                     used += p.completion_tokens
                     cached = max(cached, p.cached_tokens)
@@ -117,6 +124,15 @@ class Reply:
         except GenerationFailed as e:
             yield event(error_body(str(e), "server_error"))
         yield "data: [DONE]\n\n"
+
+
+def _message(text: str, calls: list) -> dict:
+    """A chat choice's message; with tool calls (moeswap.server.tool_calls.ToolCall) the
+    content is null when there is no text beside them, as OpenAI sends it."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None,
+            "tool_calls": [call.as_openai() for call in calls]}
 
 
 async def complete(reply: Reply, choices: Choices, n: int, request: Request) -> JSONResponse:

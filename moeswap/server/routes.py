@@ -16,15 +16,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 
 from moeswap.context_window import ContextOverflow, fit_context
-from moeswap.sampling import SamplingParams
+from moeswap.sampling import Sampler, SamplingParams
 from moeswap.server.activity import expert_view
 from moeswap.server.api_errors import ApiError, invalid
 from moeswap.server.batching import NotRunning, QueueFull
+from moeswap.server.chat_plan import ChatPlan, plan_chat
 from moeswap.server.choices import Choices
 from moeswap.server.metrics import render_metrics
 from moeswap.server.replies import Reply, complete
 from moeswap.server.schemas import MIN_TEMPERATURE, ChatBody, CompletionBody, SamplingBody
 from moeswap.server.state import PAGE_FILES, ServerOptions, ServerState
+from moeswap.server.tool_pieces import ToolCallPieces
 
 # (method, path, Routes method name)
 ROUTE_TABLE = (
@@ -100,9 +102,9 @@ class Routes:
         body = await self._parse(request, ChatBody)
         _check_body(body, self.state.options)
         prompts = self.state.prompts
-        messages = await prompts.off_loop(lambda: [m.as_template_input() for m in body.messages])
-        ids, keep = await prompts.chat_ids(messages)
-        return await self._respond(body, ids, keep, request, "chat.completion", "chatcmpl")
+        plan = await prompts.off_loop(plan_chat, body, self.state.runtime)
+        ids, keep = await prompts.chat_ids(plan.messages, **plan.variables)
+        return await self._respond(body, ids, keep, request, "chat.completion", "chatcmpl", plan)
 
     async def _parse(self, request: Request, schema: type[SamplingBody]) -> SamplingBody:
         """The body as JSON (the guard has checked its Content-Type and size), parsed off the
@@ -114,7 +116,7 @@ class Routes:
             raise invalid(e.errors()) from None
 
     async def _respond(self, body: SamplingBody, ids: list[int], keep: int, request: Request,
-                       kind: str, id_prefix: str):
+                       kind: str, id_prefix: str, plan: ChatPlan | None = None):
         options = self.state.options
         ctx = options.batch.ctx
         max_tokens = body.max_tokens if kind == "text_completion" else body.reply_limit
@@ -131,11 +133,15 @@ class Routes:
         try:
             choices = Choices(self.state.scheduler, self.state.runtime.tokenizer, ids, n=body.n,
                               max_tokens=max_tokens or ctx, params=params, stops=stops,
-                              logprobs=body.logprob_alternatives)
+                              logprobs=body.logprob_alternatives,
+                              make_sampler=plan.grammar.sampler_factory()
+                              if plan and plan.grammar else Sampler)
         except QueueFull as e:
             raise ApiError(429, str(e), type="requests", code="rate_limit_exceeded") from None
         except NotRunning as e:
             raise ApiError(503, str(e), type="server_error") from None
+        if plan and plan.tool_convention:
+            choices = ToolCallPieces(choices, self.state.runtime.tokenizer, plan.tool_convention)
         # the name the client asked for, as OpenAI echoes it (an alias included)
         reply = Reply(kind, f"{id_prefix}-{uuid.uuid4().hex}", body.model, len(ids),
                       None if body.logprob_alternatives is None else self.state.runtime.tokenizer)

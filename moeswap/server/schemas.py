@@ -2,8 +2,9 @@
 
 Strict: a wrong JSON type ("max_tokens": "10", "stream": "yes") is a 400, not silently
 converted. Unknown fields are ignored, as OpenAI clients send many optional ones; fields that
-would change the output and are not built here (echo, best_of, tools, response_format,
-logit_bias ...) are refused by name in ``unsupported_fields``.
+would change the output and are not built here (echo, best_of, logit_bias, the legacy
+functions ...) are refused by name in ``unsupported_fields``. Chat takes ``tools``,
+``tool_choice`` and ``response_format`` (moeswap.server.chat_plan).
 Sampling defaults are OpenAI's (temperature 1, top_p 1), not llama.cpp's; ``top_k``, ``min_p``
 and ``repeat_penalty`` are llama-server's extensions, off by default.
 """
@@ -69,21 +70,76 @@ class TextPart(BaseModel):
     text: str
 
 
-class Message(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class ToolCallIn(_Strict):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        extra = {"tool_calls": [c.model_dump() for c in self.tool_calls]} if self.tool_calls else {}
+        extra.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v})
+        return {"role": self.role, "content": content or "", **extra}
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatBody(SamplingBody):
     messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is always one
+    response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
