@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 from moeswap.errors import MoeswapError
 from moeswap.routing import policies as p
+from moeswap.routing.decay import DecayAdmit, DecayFit, decay_factory, popularity_prior
 from moeswap.routing.policies import CachePolicy
 from moeswap.routing.profile import Profile
 from moeswap.routing.simulate import CacheContext, PolicyFactory, SimResult, simulate
@@ -21,7 +22,9 @@ POLICY_HELP = (
     "window:N (fewest uses in the last N "
     "requests), admit:N (LRU admitting an expert at its N-th request), pinned:PROFILE (the "
     "profile's hot set pinned, LRU for the other slots), learned:PROFILE (evicts the expert "
-    "whose next use the profile's reuse table expects last)"
+    "whose next use the profile's reuse table expects last), decay (decayed use counts, a miss "
+    "admitted only if it scores at least its victim; half-life 16 tokens), decay:PROFILE (the "
+    "profile's half-life and popularity prior)"
 )
 
 _PLAIN = {
@@ -32,6 +35,7 @@ _PLAIN = {
     "s3fifo": lambda ctx: p.S3FIFO(ctx.capacity),
     "belady": lambda ctx: p.Belady(ctx.capacity, ctx.requests),
     "belady-admit": lambda ctx: BeladyAdmit(ctx.capacity, ctx.requests),
+    "decay": decay_factory(DecayFit(), None),
 }
 
 
@@ -62,13 +66,24 @@ def policy_factory(spec: str, layers: list[int], n_experts: int, what: str,
         if name == "window":
             return lambda ctx: p.SlidingWindow(ctx.capacity, n)
         return lambda ctx: p.AdmitAfter(p.LRU(ctx.capacity), n)
-    if name in ("pinned", "learned") and arg:
+    if name in ("pinned", "learned", "decay") and arg:
         profile = Profile.load(arg)
         profile.check_fits(layers, n_experts, what)
         if name == "learned":
             return lambda ctx: p.LearnedReuse(ctx.capacity, profile.reuse, ctx.k, ctx.layer_of)
+        if name == "decay":
+            return _live_decay(profile) if live else decay_factory(profile.decay, profile.counts)
         return lambda ctx: _pinned(profile, ctx, live)
     raise MoeswapError(f"unknown policy {spec!r}; choose from {POLICY_HELP}")
+
+
+def _live_decay(profile: Profile) -> PolicyFactory:
+    """``decay`` in the store, whose keys are (model block, expert): the prior by block."""
+    prior = popularity_prior(profile.counts, profile.decay.prior_weight)  # [L, E], traced layers
+    by_key = {(block, e): float(prior[traced, e]) for traced, block in enumerate(profile.layers)
+              for e in range(profile.n_experts)}
+    return lambda ctx: DecayAdmit(ctx.capacity, ctx.k, profile.decay.half_life, by_key.__getitem__,
+                                  ctx.layer_of)
 
 
 def _pinned(profile: Profile, ctx: CacheContext, live: bool) -> CachePolicy:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moeswap.errors import MoeswapError, write_or_raise
+from moeswap.routing.decay import DecayFit, fit_decay
 from moeswap.routing.policies import LearnedReuse, ReuseTable
 from moeswap.routing.simulate import simulate
 from moeswap.routing.stats import popularity
@@ -42,6 +43,7 @@ class Profile:
     counts: list[list[int]]  # [L][E] routes per expert in the source trace
     reuse: ReuseTable
     source: str
+    decay: DecayFit = field(default_factory=DecayFit)  # the ``decay`` policy's half-life and prior weight
     path: str = field(default="", compare=False)  # the file it was loaded from, for errors
 
     def check_fits(self, layers: list[int], n_experts: int, what: str) -> None:
@@ -80,6 +82,7 @@ class Profile:
                 "window": self.reuse.window,
                 "expected_gap": [list(row) for row in self.reuse.expected_gap],
             },
+            "decay": dataclasses.asdict(self.decay),
             "source": self.source,
         }
         with write_or_raise(path, "the profile"):
@@ -109,6 +112,7 @@ class Profile:
                 reuse=ReuseTable(tuple(reuse["age_edges"]), int(reuse["window"]),
                                  tuple(tuple(float(v) for v in row) for row in reuse["expected_gap"])),
                 source=doc.get("source", ""),
+                decay=DecayFit(**{name: float(v) for name, v in doc.get("decay", {}).items()}),
                 path=str(path),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -253,4 +257,6 @@ def build_profile(trace: RoutingTrace, budget: int, per_layer: bool, source: str
         counts=counts.tolist(),
         reuse=learn_reuse_table(trace, window or choose_window(trace, on_window)),
         source=source or trace.source,
+        decay=fit_decay(*halves(trace), scored_capacities(trace.k, trace.n_experts)[::2])
+        if trace.n_tokens >= 4 else DecayFit(),
     )

@@ -25,6 +25,8 @@ SUITES = {
                "budgets, the quality cost of --expert-threshold and --miss-lowbit",
     "traces": "cache policies simulated on the real routing traces in ../shared/traces "
               "(docs/TRACES.md's table)",
+    "gap": "the decay policy against LRU, LFU, S3-FIFO, ARC, learned and Belady, out of sample, "
+           "on the primary trace (tests/data/stdlib-moe-code) and the real traces",
 }
 
 
