@@ -62,13 +62,14 @@ def tiny_path(tmp_path_factory):
 
 
 @contextmanager
-def page_server(browser, tiny_path, **options):
-    """The app on a free loopback port under uvicorn: a store holding 3 of the 8 experts."""
+def page_server(browser, tiny_path, experts: int = 3, name: str = MODEL, **options):
+    """The app on a free loopback port under uvicorn: a store holding ``experts`` experts (3 of
+    the tiny model's 8)."""
     fixed, slot, _ = store_sizes(tiny_path)
     activity = ExpertActivity()
-    factory = build_store(OffloadSettings(host_bytes=fixed + 3 * slot), CHARGE)
+    factory = build_store(OffloadSettings(host_bytes=fixed + experts * slot), CHARGE)
     runtime = load(tiny_path, expert_runner=factory, recorder=activity)
-    app = create_app(SlowRuntime(runtime), ServerOptions(MODEL, BatchOptions(ctx=CTX), **options),
+    app = create_app(SlowRuntime(runtime), ServerOptions(name, BatchOptions(ctx=CTX), **options),
                      activity)
     with serve_app(app) as url:
         yield url + "/"
@@ -171,3 +172,66 @@ def test_with_an_api_key_the_page_works_once_the_key_is_typed(tiny_path, browser
         # the one refused request is the page's first poll, before the key was typed
         errors = console_errors(browser)
         assert errors and all("/v1/moeswap/experts" in e and "401" in e for e in errors), errors
+
+
+META = "const m = document.querySelectorAll('#transcript .turn-meta'); return m.length ? [m[m.length - 1].dataset.tokens, m[m.length - 1].dataset.tokensPerSecond, m[m.length - 1].textContent] : null"
+
+
+def text_of(driver, element_id: str) -> str:
+    return driver.execute_script(f"return document.getElementById('{element_id}').textContent")
+
+
+def test_the_page_shows_experts_held_per_tier_the_expert_axis_and_each_replys_speed(browser):
+    """The built-in model, its store holding 20 experts: the held count against the host
+    tier's slots, the axis naming the experts, and tokens/s under the reply."""
+    import moeswap
+
+    path, name = moeswap.DEFAULT_MODEL, moeswap.DEFAULT_MODEL.stem
+    n_experts = load(path).config.n_expert
+    with page_server(browser, path, experts=20, name=name) as url:
+        browser.get(url)
+        assert wait_for(lambda: text_of(browser, "model") == name, 10)
+        assert text_of(browser, "expert-axis") == f"expert 0 … {n_experts - 1} →"
+        assert text_of(browser, "layer-axis") == "layer ↓"
+        assert wait_for(lambda: text_of(browser, "held") == "experts held: host 0 of 20 slots", 10)
+        seen, kind = ask_and_watch(browser, "import os")
+        assert kind == "turn assistant" and seen[-1][0]
+        tokens, rate, text = browser.execute_script(META)
+        assert 1 <= int(tokens) <= N_TOKENS
+        if int(tokens) > 1:  # decode speed, after the first token
+            assert float(rate) > 0 and f"{float(rate):.1f} tokens/s" in text
+        assert "first token after" in text
+
+        def held_as_the_grid_shows():
+            hosts = sum(cell.startswith("host:") for cell in browser.execute_script(GRID))
+            return hosts > 0 and text_of(browser, "held") == f"experts held: host {hosts} of 20 slots"
+
+        assert wait_for(held_as_the_grid_shows, 10), text_of(browser, "held")
+        assert console_errors(browser) == []
+
+
+def test_a_dense_model_shows_weights_kv_and_budget_instead_of_an_empty_grid(browser, tmp_path):
+    import tiny_models
+    from moeswap.gguf_tools.convert import convert
+
+    tiny_models.save("gemma3", tmp_path / "hf")
+    dense = convert(tmp_path / "hf", tmp_path / "dense.q8_0.gguf", "q8_0")
+    app = create_app(load(dense), ServerOptions("dense", BatchOptions(ctx=CTX)), ExpertActivity())
+    with serve_app(app) as url:
+        browser.get(url + "/")
+        assert wait_for(lambda: browser.execute_script(
+            "return !document.getElementById('memory').hidden"), 10)
+        visible = browser.execute_script("return ['grid', 'axes', 'legend', 'held'].map(id => "
+                                         "document.getElementById(id).offsetParent !== null)")
+        assert visible == [False, False, False, False]
+        assert text_of(browser, "cache-title") == "Memory"
+        assert text_of(browser, "m-weights").endswith(" MiB")
+        assert text_of(browser, "m-kv").endswith(f"(8 × {CTX} positions, f32)")
+        assert text_of(browser, "m-budget") == "no --host-mem: what RAM holds"
+        widths = browser.execute_script("return [...document.querySelectorAll('#memory .part')]"
+                                        ".map(p => p.getBoundingClientRect().width)")
+        assert all(w > 0 for w in widths[:2]), widths  # weights and KV drawn
+        seen, kind = ask_and_watch(browser, "bcd")
+        assert kind == "turn assistant" and browser.execute_script(META) is not None
+        browser.get("about:blank")
+        assert console_errors(browser) == []

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from moeswap.server.batching import BatchScheduler
+from moeswap.server.memory_panel import memory_view, tier_counts
 
 
 class ExpertActivity:
@@ -68,6 +69,8 @@ def expert_view(runtime: Any, activity: ExpertActivity | None, scheduler: BatchS
         "layers": layers,
         "n_experts": n_experts,
         "tier": _tiers(runtime, layers, n_experts),
+        "tiers": tier_counts(runtime, stats),  # experts held against each tier's slots
+        "memory": memory_view(runtime, scheduler.options),  # weights, KV caches, budget
         "last_use": [activity.last_use(layer, n_experts) if activity is not None
                      else [None] * n_experts for layer in layers],
         "counters": {

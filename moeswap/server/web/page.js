@@ -36,7 +36,7 @@ async function send(event) {
   $("prompt").value = "";
   addTurn("user", text);
   const out = addTurn("assistant", "");
-  const body = { model: state.model, stream: true,
+  const body = { model: state.model, stream: true, stream_options: { include_usage: true },
                  max_tokens: Number($("max-tokens").value) || 128,
                  temperature: Number($("temperature").value) };
   let url = "/v1/completions";
@@ -49,6 +49,8 @@ async function send(event) {
   }
   state.abort = new AbortController();
   $("send").disabled = true; $("stop").disabled = false;
+  const started = performance.now();
+  let first = null, usage = null;
   try {
     const response = await fetch(url, { method: "POST", headers: headers(), body: JSON.stringify(body),
                                         signal: state.abort.signal });
@@ -57,11 +59,16 @@ async function send(event) {
       throw new Error((error.error && error.error.message) || response.statusText);
     }
     await readEvents(response, (chunk) => {
+      if (chunk.usage) usage = chunk.usage;  // the last chunk: stream_options.include_usage
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) return;
       const piece = state.chat ? (choice.delta && choice.delta.content) : choice.text;
-      if (piece) { out.textContent += piece; out.scrollIntoView({ block: "end" }); }
+      if (piece) {
+        if (first === null) first = performance.now();
+        out.textContent += piece; out.scrollIntoView({ block: "end" });
+      }
     });
+    showRate(out, usage, started, first, performance.now());
     if (state.chat) state.messages.push({ role: "assistant", content: out.textContent });
   } catch (e) {
     if (e.name !== "AbortError") { out.className = "turn error"; out.textContent = String(e.message || e); }
@@ -71,6 +78,21 @@ async function send(event) {
     state.abort = null;
     $("send").disabled = false; $("stop").disabled = true;
   }
+}
+
+// Under a reply: its tokens, decode tokens/s (after the first token, which waits for the
+// prompt) and the time to the first token.
+function showRate(turn, usage, started, first, ended) {
+  if (!usage || first === null) return;
+  const n = usage.completion_tokens;
+  const rate = n > 1 && ended > first ? (n - 1) / ((ended - first) / 1000) : null;
+  const meta = document.createElement("div");
+  meta.className = "turn-meta";
+  meta.dataset.tokens = n;
+  meta.dataset.tokensPerSecond = rate === null ? "" : rate.toFixed(2);
+  meta.textContent = n + " tokens" + (rate === null ? "" : ", " + rate.toFixed(1) + " tokens/s") +
+                     " (first token after " + ((first - started) / 1000).toFixed(2) + " s)";
+  turn.after(meta);
 }
 
 // Server-sent events: "data: {json}" blocks separated by a blank line, then "data: [DONE]".
@@ -128,6 +150,8 @@ function show(view) {
     $("mode").textContent = view.chat ? "chat (the model's template)" : "completion (no chat template)";
   }
   drawGrid(view);
+  showHeld(view.tiers);
+  showMemory(view.memory);
   const c = view.counters;
   const now = performance.now() / 1000;
   const moved = (c.disk_bytes || 0) + (c.transfer_bytes || 0);
@@ -153,6 +177,38 @@ function show(view) {
   drawChart($("chart-hit"), state.history.map((h) => h.hit), 1);
 }
 
+const mib = (bytes) => (bytes / 2 ** 20).toFixed(1) + " MiB";
+
+// Experts each tier holds against its slots (how many its budget fits).
+function showHeld(tiers) {
+  const names = Object.keys(tiers || {});
+  $("held").textContent = !names.length ? "" : names.includes("mapped")
+    ? "experts held: all " + tiers.mapped.held + " in RAM (the mapped file, no --host-mem)"
+    : "experts held: " + names.filter((t) => tiers[t].slots)
+        .map((t) => t + " " + tiers[t].held + " of " + tiers[t].slots + " slots").join(", ");
+}
+
+// A dense model has no expert grid: its weights, KV cache and working memory against the budget.
+function showMemory(m) {
+  const dense = Boolean(m && m.dense);
+  for (const id of ["legend", "held", "axes", "grid"]) $(id).hidden = dense;
+  $("memory").hidden = !dense;
+  $("cache-title").textContent = dense ? "Memory" : "Expert cache";
+  if (!dense) return;
+  const weights = m.shared_bytes === null ? null : m.shared_bytes + (m.expert_bytes || 0);
+  const used = (weights || 0) + m.kv_bytes + m.working_bytes;
+  const whole = Math.max(m.budget_bytes || used, used, 1);
+  const parts = $("memory").querySelectorAll(".part");
+  [weights || 0, m.kv_bytes, m.working_bytes].forEach((bytes, i) => {
+    parts[i].style.width = (100 * bytes / whole).toFixed(2) + "%";
+  });
+  $("memory-note").textContent = "A dense model: every weight in RAM, no experts to swap.";
+  $("m-weights").textContent = weights === null ? "–" : mib(weights);
+  $("m-kv").textContent = mib(m.kv_bytes) + " (" + m.contexts + " × " + m.ctx + " positions, " + m.kv_type + ")";
+  $("m-working").textContent = mib(m.working_bytes);
+  $("m-budget").textContent = m.budget_bytes === null ? "no --host-mem: what RAM holds" : mib(m.budget_bytes);
+}
+
 function drawGrid(view) {
   const grid = $("grid");
   const shape = view.layers.join(",") + "x" + view.n_experts;
@@ -160,6 +216,7 @@ function drawGrid(view) {
     state.shape = shape;
     grid.replaceChildren();
     grid.style.gridTemplateColumns = "auto repeat(" + view.n_experts + ", minmax(3px, 1fr))";
+    $("expert-axis").textContent = "expert 0 … " + (view.n_experts - 1) + " →";
     state.cells = view.layers.map((layer) => {
       const label = document.createElement("div");
       label.className = "label";
