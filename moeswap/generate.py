@@ -119,6 +119,7 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_tokens
         step = []
         for index, row in zip(active, logits):
             sequence = sequences[index]
+            _check_finite(row, len(sequence.ids))
             token = sequence.sampler.next_token(row, sequence.ids)
             if token in stop_ids:
                 sequence.finish_reason = "stop"
@@ -142,6 +143,14 @@ def generate_batch(model: Model, prompts: Sequence[Sequence[int]], *, max_tokens
                              [sequences[i].cache for i in active])
         stats.decode_tokens += len(active)
         stats.decode_seconds += time.perf_counter() - started + sample_seconds
+
+
+def _check_finite(row: torch.Tensor, position: int) -> None:
+    """NaN or +Inf logits [V] (max propagates NaN) would sample nonsense or an empty reply."""
+    if not torch.isfinite(row.max()):
+        raise MoeswapError(f"the model computed NaN or infinite logits at position {position}; "
+                           "its weights are damaged (run `moeswap doctor` on the file), or "
+                           "--force loaded a file doctor reports errors in")
 
 
 def generate(model: Model, prompt: Sequence[int], *, max_tokens: int, sampler: Sampler | None = None,

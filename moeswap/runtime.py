@@ -113,7 +113,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
          verbose_log: Callable[[str], None] | None = None, expert_runner: Any = None,
          tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
          replay_routing: str | os.PathLike | None = None, context_tokens: int = 0,
-         step_tokens: int = 0, chat_template: str | None = None, kv_type: str = "f32") -> Runtime:
+         step_tokens: int = 0, chat_template: str | None = None, kv_type: str = "f32",
+         force: bool = False) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -130,6 +131,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     (moeswap.memory.HostCharge); caches are sized to it (0: they grow as they fill).
     kv_type: of the KV caches, 'f32' (default; exact against float32 references) or 'f16'
     (the command line's default, as llama.cpp's: half the RAM).
+    force: load a GGUF file that moeswap doctor reports an error in (formats.validation); by
+    default it is refused in one line before anything is built.
     """
     from moeswap.models import load_model
     from moeswap.routing.replay import RoutingReplay
@@ -142,11 +145,30 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
             raise MoeswapError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     replay = RoutingReplay.load(replay_routing) if replay_routing is not None else None
-    tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
+    if path.is_file() and not force:  # before the tokenizer reads the vocabulary
+        refuse_invalid_file(path)
+    try:
+        tokenizer = load_tokenizer(path, cache_dir=tokenizer_cache_dir)
+    except MoeswapError:
+        raise
+    except Exception as e:  # a damaged vocabulary must end in one line, not a traceback
+        raise MoeswapError(f"{path}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
                        recorder=recorder, replay=replay, context_tokens=context_tokens,
-                       step_tokens=step_tokens, kv_type=kv_type)
+                       step_tokens=step_tokens, kv_type=kv_type, validate=False)
     return Runtime(model, tokenizer, expert_runner, replay, chat_template)
+
+
+def refuse_invalid_file(path: Path) -> None:
+    """The loader's validation (formats.validation.refuse_invalid) of the GGUF file at ``path``."""
+    from moeswap.formats.gguf_file import GGUFFile
+    from moeswap.formats.validation import refuse_invalid
+
+    gguf = GGUFFile.open(path)
+    try:
+        refuse_invalid(gguf)
+    finally:
+        gguf.close()
 
 
 def peak_rss_bytes() -> int:

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "model_option"):
         resolve_model(args, args.parser)
     try:
+        if getattr(args, "force", None) is False:  # run, chat, serve: before any planning
+            refuse_damaged_model(args.model)
         return int(args.handler(args) or 0)
     except MoeswapError as e:
         print(f"moeswap: error: {e}", file=sys.stderr)
@@ -58,6 +60,18 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+
+
+def refuse_damaged_model(model: str | None) -> None:
+    """One line and exit 2 for a GGUF file moeswap doctor reports an error in (--force skips)."""
+    from pathlib import Path
+
+    import moeswap
+    from moeswap.runtime import refuse_invalid_file
+
+    path = Path(model or moeswap.DEFAULT_MODEL)
+    if path.is_file():
+        refuse_invalid_file(path)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ def add_threads_argument(p: argparse.ArgumentParser, default: int | None = None,
     p.add_argument("-t", "--threads", type=int, default=default, help=help)
 
 
+def add_force_argument(p: argparse.ArgumentParser) -> None:
+    """``--force``, as `run`, `chat` and `serve` share it."""
+    p.add_argument("--force", action="store_true",
+                   help="load a GGUF file even when `moeswap doctor` reports an error in it "
+                        "(default: refuse it in one line)")
+
+
 def warn_beyond_training(runtime, ctx: int) -> None:
     """One line when ``ctx`` passes the positions the model was trained for (as llama.cpp's
     n_ctx_train warning): replies past them may degrade."""
@@ -49,7 +56,7 @@ def default_ctx(model) -> int:
     the GGUF header or config.json; a model that states none gets 4096)."""
     from pathlib import Path
 
-    from moeswap.formats.config import config_from_gguf, config_from_hf
+    from moeswap.formats.config import config_from_hf
     from moeswap.formats.gguf_file import GGUFFile
 
     path = Path(model)
@@ -57,10 +64,11 @@ def default_ctx(model) -> int:
         trained = config_from_hf(path).n_ctx_train
     elif path.is_file():
         gguf = GGUFFile.open(path)
-        try:
-            trained = config_from_gguf(gguf).n_ctx_train
+        try:  # the one key: a damaged file (--force) is the loader's to refuse
+            trained = gguf.get(f"{gguf.architecture}.context_length")
         finally:
             gguf.close()
+        trained = trained if isinstance(trained, int) and not isinstance(trained, bool) else 0
     else:
         return DEFAULT_CTX  # the loader names the missing file
     return min(DEFAULT_CTX, trained) if trained else DEFAULT_CTX

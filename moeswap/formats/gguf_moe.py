@@ -39,9 +39,11 @@ ARCH_KEY_TYPES: dict[str, GGUFValueType] = {
     "attention.layer_norm_rms_epsilon": F32, "attention.layer_norm_epsilon": F32,
     "rope.freq_base": F32,
 }
-# llama.cpp reads these as a scalar or as a per-layer array of i32/u32 (`get_key_or_arr`).
+# llama.cpp reads these as a scalar or as a per-layer array of i32/u32 (`get_key_or_arr` in
+# llama-model.cpp); every other key of ARCH_KEY_TYPES with `get_key`, which refuses an array.
 PER_LAYER_ARRAY_KEYS = frozenset({"feed_forward_length", "attention.head_count",
-                                  "attention.head_count_kv"})
+                                  "attention.head_count_kv", "expert_used_count",
+                                  "expert_feed_forward_length"})
 
 MAX_EXPERTS = 512  # LLAMA_MAX_EXPERTS: llama.cpp aborts above it
 

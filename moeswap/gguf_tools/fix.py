@@ -36,14 +36,15 @@ from moeswap.formats.gguf_file import (
 from moeswap.formats.gguf_moe import (
     ARCH_KEY_TYPES, MoEView, arch_key, canonical_alias,
 )
-from moeswap.gguf_tools.doctor import (
-    ERROR, Finding, Report, check, diagnose, same_record_value, split_expert_groups,
-)
+from moeswap.formats.file_checks import same_record_value, split_expert_groups
+from moeswap.formats.validation import ERROR, Finding, check
+from moeswap.gguf_tools.doctor import Report, diagnose
 
 CHUNK = 64 << 20  # bytes copied per write: memory stays small on any file size
 # Problems no rewrite can solve: the source data itself is ambiguous or absent.
 _SOURCE_BLOCKERS = ("duplicate-key", "duplicate-tensor", "tensor-data-past-eof",
-                    "unknown-tensor-type", "invalid-tensor-shape", "mixed-expert-types")
+                    "unknown-tensor-type", "invalid-tensor-shape", "mixed-expert-types",
+                    "tensor-data-overlap", "tensor-size-mismatch")
 
 
 @dataclass(frozen=True)

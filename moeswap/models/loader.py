@@ -19,6 +19,7 @@ from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
+from moeswap.formats.validation import refuse_invalid
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
 from moeswap.models.moe import DecisionRecorder, ExpertRunner
@@ -39,7 +40,8 @@ _KV_DTYPES = {"f32": torch.float32, "f16": torch.float16}
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
                threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None,
                recorder: DecisionRecorder | None = None, replay: Any = None,
-               context_tokens: int = 0, step_tokens: int = 0, kv_type: str = "f32") -> CausalLM:
+               context_tokens: int = 0, step_tokens: int = 0, kv_type: str = "f32",
+               validate: bool = True) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
@@ -52,8 +54,42 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     (0: caches grow as they fill).
     kv_type: of the KV caches' keys and values, 'f32' (the default: the reference tests compare
     against transformers in float32) or 'f16' (the command line's default, as llama.cpp's).
+    validate: refuse a GGUF file with an error moeswap doctor reports (formats.validation);
+    False is --force.
+    Any other failure while building is one MoeswapError naming the file and the tensor last
+    bound, never a traceback.
     """
     path = Path(path)
+    last = _LastTensor(verbose_log)
+    try:
+        return _load_model(path, last, threads, expert_runner, recorder, replay, context_tokens,
+                           step_tokens, kv_type, validate)
+    except MoeswapError:
+        raise
+    except Exception as e:  # a damaged file must end in one line, not a traceback
+        raise MoeswapError(f"{path}: cannot load the model{last.where()}: "
+                           f"{type(e).__name__}: {e}") from e
+
+
+class _LastTensor:
+    """The tensor log, remembering the tensor last bound (the first word of its line)."""
+
+    def __init__(self, log: Callable[[str], None] | None):
+        self.log, self.name = log, None
+
+    def __call__(self, line: str) -> None:
+        self.name = line.split(maxsplit=1)[0]
+        if self.log is not None:
+            self.log(line)
+
+    def where(self) -> str:
+        return f" (at tensor '{self.name}')" if self.name else ""
+
+
+def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | None,
+                expert_runner: ExpertRunnerFactory | None, recorder: DecisionRecorder | None,
+                replay: Any, context_tokens: int, step_tokens: int, kv_type: str,
+                validate: bool) -> CausalLM:
     if kv_type not in _KV_DTYPES:
         raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(_KV_DTYPES)}")
     source: Any
@@ -63,6 +99,8 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
         config, source = weights.config, path
     elif path.exists():
         source = gguf = GGUFFile.open(path)
+        if validate:
+            refuse_invalid(gguf)
         config = config_from_gguf(source)
         weights = GGUFWeights(source)
     else:

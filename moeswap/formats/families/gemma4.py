@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.families.gemma3 import SANDWICH_NORMS
-from moeswap.formats.families.hooks import FamilyHooks
+from moeswap.formats.families.hooks import LAYER_TENSORS, FamilyHooks
 from moeswap.formats.rope_scaling import hf_rope_parameters
 
 
@@ -58,4 +58,6 @@ def hf_fields(hf: dict[str, Any], folder: Path, fields: dict[str, Any]) -> None:
 
 
 HOOKS = FamilyHooks(gguf_fields=gguf_fields, hf_fields=hf_fields, hf_layer_types=True,
-                    hf_layer_norms=SANDWICH_NORMS)
+                    hf_layer_norms=SANDWICH_NORMS,
+                    # global layers may use the key projection as values (no attn_v)
+                    gguf_layer_tensors=tuple(c for c in LAYER_TENSORS if "attn_v" not in c))

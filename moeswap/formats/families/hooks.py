@@ -19,6 +19,13 @@ GgufHook = Callable[[Any, Callable[..., Any], dict[str, Any]], None]
 HfHook = Callable[[dict[str, Any], Path, dict[str, Any]], None]
 
 
+# The tensors every layer needs, as groups of alternatives (blk.N.<base>.weight): a norm,
+# attention in one of llama.cpp's layouts (separate, fused QKV, MLA), an FFN (dense or experts).
+LAYER_TENSORS: tuple[tuple[str, ...], ...] = (
+    ("attn_norm",), ("attn_q", "attn_q_a", "attn_qkv"), ("attn_k", "attn_kv_a_mqa", "attn_qkv"),
+    ("attn_v", "attn_kv_a_mqa", "attn_qkv"), ("attn_output",), ("ffn_down", "ffn_down_exps"))
+
+
 def _no_change(*_: Any) -> None:
     """The family reads what every family reads."""
 
@@ -34,3 +41,5 @@ class FamilyHooks:
     hf_layer_norms: Mapping[str, str] = field(default_factory=dict)
     hf_qk_permuted: bool = False  # the converter permutes Q/K rows: GGUF RoPE is not NeoX
     hf_norm_plus_one: bool = False  # the converter adds 1 to every norm weight
+    # What formats.model_checks requires of every layer of a GGUF file (LAYER_TENSORS' form).
+    gguf_layer_tensors: tuple[tuple[str, ...], ...] = LAYER_TENSORS
