@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 
 import tokenizers
+import torch
 from tokenizers import decoders, models, pre_tokenizers
 
+from moeswap.sampling import GREEDY
 from moeswap.server.constrained import Grammar, lark_grammar, response_format_grammar
 from moeswap.server.tool_calls import HARMONY, HERMES, parse_tool_calls, tool_format
 from moeswap.server.tool_prompts import forced_call_lark, tool_template_input
@@ -143,3 +145,21 @@ def test_response_format_grammars():
     assert accepts(typed, tok, '{"n": 3}')
     assert not accepts(typed, tok, '{"n": "3"}')
     assert response_format_grammar({"type": "text"}) is None
+
+
+def test_the_mask_keeps_the_best_allowed_token_and_ends_on_the_stop_id():
+    tok = byte_tokenizer(["</s>"])
+    grammar = Grammar(tok, response_format_grammar({"type": "json_object"}))
+    sampler = grammar.sampler_factory()(GREEDY)
+    size = tok.vocab_size + 3  # a model's output row may be wider than its vocabulary
+    logits = torch.zeros(size)
+    logits[tok.encode("x", add_special=False)[0]] = 9.0  # the model's favourite: not JSON
+    logits[tok.encode("{", add_special=False)[0]] = 1.0
+    logits[size - 1] = 99.0  # past the vocabulary: never drawn
+    assert tok.decode([sampler.next_token(logits, [])]) == "{"
+    allowed = sampler.allowed(size)
+    assert [tok.decode([int(i)]) for i in allowed.nonzero()] == ["\"", "}"]
+    logits[tok.encode("}", add_special=False)[0]] = 5.0
+    assert tok.decode([sampler.next_token(logits, [])]) == "}"
+    assert sampler.allowed(size).nonzero().flatten().tolist() == [tok.eos_id]
+    assert sampler.next_token(logits, []) == tok.eos_id

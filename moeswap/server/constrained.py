@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 
 from moeswap.errors import MoeswapError
@@ -47,9 +48,14 @@ def guidance_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
                 raise GrammarError("this model has no end-of-generation token, so a constrained "
                                    "reply could never end; fix the GGUF's tokenizer.ggml."
                                    "eos_token_id (moeswap fix MODEL --set ...)")
-            found = llguidance.LLTokenizer(tokenizer.backend.to_str(),
-                                           n_vocab=tokenizer.vocab_size,
-                                           eos_token=sorted(tokenizer.stop_ids))
+            try:
+                found = llguidance.LLTokenizer(tokenizer.backend.to_str(),
+                                               n_vocab=tokenizer.vocab_size,
+                                               eos_token=sorted(tokenizer.stop_ids))
+            except (ValueError, RuntimeError) as e:  # a vocabulary kind llguidance lacks
+                raise GrammarError(f"constrained decoding cannot read this model's vocabulary "
+                                   f"(llguidance: {e}); JSON output and forced tool calls are "
+                                   "not available for it") from None
             _tokenizers[tokenizer] = found
         return found
 
@@ -93,20 +99,21 @@ class ConstrainedSampler:
         self.vocab_size = vocab_size
         self.params = sampler.params
 
-    def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next."""
+    def allowed(self, size: int) -> torch.Tensor:
+        """[size] bool: the tokens the grammar allows next (ids past the vocabulary: none)."""
         if self.matcher.is_error():
             raise GrammarError(f"constrained decoding failed: {self.matcher.get_error()}")
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)  # [ceil(V/32)]
-        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1  # [V/32, 32]
-        return bits.reshape(-1)[:self.vocab_size].bool()  # [V]
+        # one bit per token, token i at bit i % 32 of little-endian int32 word i // 32: in
+        # bytes, bit i % 8 of byte i // 8
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)  # [ceil(V/32) * 4]
+        bits = np.unpackbits(packed, bitorder="little")[:min(size, self.vocab_size)]  # [<= size]
+        allowed = torch.zeros(size, dtype=torch.bool)
+        allowed[:len(bits)] = torch.from_numpy(bits.astype(bool))
+        return allowed
 
     def next_token(self, logits: torch.Tensor, history: Sequence[int]) -> int:
-        allowed = self.allowed()  # [V]
-        vocab = min(logits.shape[-1], self.vocab_size)
-        masked = torch.full_like(logits, float("-inf"), dtype=torch.float32)  # [V_model]
-        masked[:vocab] = torch.where(allowed[:vocab], logits[:vocab].float(),
-                                     torch.tensor(float("-inf")))
+        """logits: [V] of the next position, as ``Sampler.next_token``."""
+        masked = logits.float().masked_fill(~self.allowed(logits.shape[-1]), float("-inf"))  # [V]
         token = self.sampler.next_token(masked, history)
         if not self.matcher.is_stopped():  # complete: the stop id ends the reply
             self.matcher.consume_token(token)
