@@ -1,5 +1,6 @@
 """``--suite server``: a load test of ``moeswap serve`` on loopback, N requests, C at a time,
-batched versus one at a time (was scripts/bench_server.py).
+batched versus one at a time (was scripts/bench_server.py); with ``--chat-turns N``, a chat of N
+turns against llama-cpp-python's server instead (moeswap.bench.suites.server_chat).
 
     moeswap bench -o DIR --suite server [--model M] [--requests 64] [--concurrency 16]
                   [--max-tokens 32] [--max-batch 16] [--ctx 512] [--host-mem SIZE]
@@ -35,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 
+from moeswap.bench.suites import server_chat
 from moeswap.bench.worker import run_call
 from moeswap.errors import MoeswapError
 from moeswap.memory import STEP_TOKENS, parse_size
@@ -52,7 +54,7 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     p.add_argument("--max-batch", type=int, default=16, help="the batched server's --max-batch")
-    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--ctx", type=int, default=None, help="(512; --chat-turns: 4096)")
     p.add_argument("--host-mem", metavar="SIZE",
                    help="the batched server's (the other's is smaller by the batch's charge)")
     p.add_argument("--device-mem", metavar="SIZE")
@@ -61,6 +63,7 @@ def add_arguments(p) -> None:
                    help="more `moeswap serve` flags for both servers, e.g. \"--threads 1 "
                         "--policy lru\"")
     p.add_argument("--timeout", type=float, default=1800, metavar="S", help="per mode")
+    server_chat.add_arguments(p)
 
 
 def prompts(n: int) -> list[str]:
@@ -202,6 +205,9 @@ def row(label: str, r: dict) -> str:
 
 
 def run(args, out_dir: Path) -> tuple[dict, str]:
+    if args.chat_turns:
+        return server_chat.run(args, out_dir)
+    args.ctx = args.ctx or 512
     model = args.model or args.default_model
     extra = shlex.split(args.serve_args)
     taken = [w for w in extra if w.split("=", 1)[0] in SET_BY_SUITE]
