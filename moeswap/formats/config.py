@@ -46,6 +46,7 @@ ARCH_TRAITS = {
                           expert_act="swiglu_oai", gating="softmax_topk"),
     "gemma4": ArchTraits(rope_neox=True, expert_weights_norm=True, swa_pattern=6, expert_act="gelu"),
     "glm4moe": ArchTraits(rope_neox=True, expert_weights_norm=False, gating="sigmoid"),
+    "phimoe": ArchTraits(rope_neox=True, expert_weights_norm=True),  # Phi-3.5-MoE
 }
 
 # HF ``architectures[0]`` -> GGUF ``general.architecture``.
@@ -66,6 +67,8 @@ HF_ARCHITECTURES = {
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
     "Glm4MoeForCausalLM": "glm4moe",  # GLM-4.5 / 4.5-Air / 4.6
+    "PhimoeForCausalLM": "phimoe",  # Phi-3.5-MoE, as transformers saves it
+    "PhiMoEForCausalLM": "phimoe",  # ... and as microsoft/Phi-3.5-MoE-instruct publishes it
 }
 
 
@@ -92,7 +95,7 @@ class ModelConfig:
     n_ff_shexp: int = 0  # shared expert width; 0: none
     expert_weights_norm: bool | None = None  # None: the architecture's default
     expert_weights_scale: float = 1.0
-    gating: str = ""  # router probabilities: softmax | sigmoid | softmax_topk; "": the architecture's
+    gating: str = ""  # softmax | sigmoid | softmax_topk | sparsemixer; "": the architecture's
     n_expert_groups: int = 0  # group-limited expert choice (DeepSeek-V3): groups; 0 or 1: none
     n_expert_groups_used: int = 0  # ... and how many of them a token's experts come from
     sliding_window: int = 0  # 0: full attention everywhere
@@ -115,6 +118,12 @@ class ModelConfig:
     n_rot_swa: int = 0  # Gemma 4: rotated dims of sliding-window layers (0: head_dim_swa)
     rope_partial: float = 1.0  # Gemma 4 global layers rotate this fraction of the head ("proportional"
     # RoPE); a GGUF carries it as the rope_freqs tensor instead
+    rope_mscale: float = 1.0  # cos/sin multiplier without YaRN (Phi-3.5-MoE's LongRoPE)
+    rope_factors: tuple[float, ...] = ()  # per rotated pair, dividing its frequency (a HF
+    # folder's LongRoPE short_factor; a GGUF carries rope_factors_short / _long tensors)
+    rope_orig_ctx: int = 0  # LongRoPE: a context beyond it takes the long factors (GGUF)
+    layer_norm: bool = False  # norms subtract the mean and add a bias (HF Phi-3.5-MoE)
+    router_jitter: float = 0.0  # sparsemixer's relative threshold / 2 (HF Phi-3.5-MoE)
     rope_neox: bool = field(init=False)
     expert_act: str = field(init=False)
 
@@ -385,7 +394,7 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     full = hf_rope_parameters(hf, "full_attention")
     fields.update(
         rope_base=float(full.get("rope_theta", 10000.0)),
-        rope_scale=_rope_factor(full, folder),
+        rope_scale=1.0 if fields.get("rope_factors") else _rope_factor(full, folder),
         yarn=yarn_from_hf(full, hf) if full.get("rope_type") == "yarn" else None,
         rope_base_swa=float(hf_rope_parameters(hf, "sliding_attention").get("rope_theta", 10000.0)),
     )

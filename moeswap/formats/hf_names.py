@@ -52,6 +52,10 @@ RULES = (
     NameRule(r"model\.embed_tokens\.weight", "token_embd.weight"),  # all
     NameRule(r"lm_head\.weight", "output.weight"),  # all (absent when tied)
     NameRule(r"model\.norm\.weight", "output_norm.weight", "norm"),  # all
+    NameRule(r"lm_head\.bias", "output.bias"),  # Phi-3.5-MoE
+    NameRule(r"model\.norm\.bias", "output_norm.bias"),  # Phi-3.5-MoE (LayerNorm)
+    NameRule(_L + r"input_layernorm\.bias", "blk.{layer}.attn_norm.bias"),  # Phi-3.5-MoE
+    NameRule(_L + r"post_attention_layernorm\.bias", "blk.{layer}.ffn_norm.bias"),  # Phi-3.5-MoE
     NameRule(_L + r"input_layernorm\.weight", "blk.{layer}.attn_norm.weight", "norm"),  # all
     NameRule(_L + r"pre_feedforward_layernorm_2\.weight", "blk.{layer}.pre_ffw_norm_2.weight"),  # Gemma 4 MoE
     NameRule(_L + r"post_feedforward_layernorm_1\.weight", "blk.{layer}.post_ffw_norm_1.weight"),  # Gemma 4 MoE

@@ -187,13 +187,15 @@ class Rope:
     original frequency along a ramp over the correction dims; cos/sin times yarn.mscale)."""
 
     def __init__(self, n_rot: int, base: float, scale: float, neox: bool,
-                 freq_factors: torch.Tensor | None = None, yarn: Yarn | None = None):
+                 freq_factors: torch.Tensor | None = None, yarn: Yarn | None = None,
+                 mscale: float = 1.0):
+        """mscale: the cos/sin multiplier without YaRN (YaRN brings its own)."""
         exponents = torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot
         inv_freq = base ** -exponents  # [R/2]
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.to(torch.float64)
         self.inv_freq = inv_freq / scale
-        self.mscale = 1.0
+        self.mscale = mscale
         if yarn is not None:
             low, high = (_yarn_corr_dim(n_rot, yarn.orig_ctx, beta, base)
                          for beta in (yarn.beta_fast, yarn.beta_slow))

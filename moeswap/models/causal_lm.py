@@ -87,7 +87,7 @@ class CausalLM:
         if last_only:
             x = x[[end - 1 for end in ends]]  # [B, D]: each sequence's last position
             spans = [(i, i + 1) for i in range(len(spans))]
-        logits = self.output(rms_norm(x, self.output_norm, c.rms_eps))  # [N or B, V]
+        logits = self.output(self.final_norm(x))  # [N or B, V]
         if c.logit_scale != 1.0:
             logits = logits / c.logit_scale
         if c.final_logit_softcap:
@@ -95,6 +95,10 @@ class CausalLM:
         for cache, n in zip(caches, lengths):
             cache.advance(n)
         return [logits[start:end].float() for start, end in spans]
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, D] before the output head (a family with another norm overrides it)."""
+        return rms_norm(x, self.output_norm, self.config.rms_eps)
 
 
 def attention_weights(weights: Any, layer: int) -> AttentionWeights:
@@ -137,7 +141,7 @@ def router(config: ModelConfig, weights: Any, layer: int) -> Router:
                   bool(config.expert_weights_norm), config.expert_weights_scale,
                   optional(f"blk.{layer}.ffn_gate_inp.bias"), config.gating,
                   optional(f"blk.{layer}.exp_probs_b.bias"),
-                  (config.n_expert_groups, config.n_expert_groups_used))
+                  (config.n_expert_groups, config.n_expert_groups_used), config.router_jitter)
 
 
 def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) -> DenseFFN:

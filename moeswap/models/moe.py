@@ -6,9 +6,11 @@ expert's sigmoid instead; with "softmax_topk" (GPT-OSS) the top-k logits are cho
 softmax is the weights. Logits include the router bias when there is one. DeepSeek-V3 adds a
 selection bias (``exp_probs_b``) to the probabilities for choosing experts only, and may limit
 the choice to the best groups of experts (``select_groups``); the weights stay the unbiased
-probabilities of the chosen experts. Weights are renormalised to sum to 1 when the family says
-so, then multiplied by ``scale``. Shared experts run beside the routed
-ones on every token, gated by sigmoid(w . x) in Qwen2-MoE and ungated in Granite-MoE-Shared.
+probabilities of the chosen experts. transformers' Phi-3.5-MoE ("sparsemixer") picks the top 2
+logits and weighs each by a softmax over the logits near it (``sparsemixer_weights``). Weights
+are renormalised to sum to 1 when the family says so, then multiplied by ``scale``. Shared
+experts run beside the routed ones on every token, gated by sigmoid(w . x) in Qwen2-MoE and
+ungated in Granite-MoE-Shared.
 
 The block hands each routing decision to a recorder when it was built with one
 (moeswap.routing.recorder.RoutingRecorder); recording only reads the decision.
@@ -55,9 +57,10 @@ class Router:
     normalize: bool
     scale: float = 1.0
     bias: torch.Tensor | None = None  # [X] added to the logits (GPT-OSS)
-    gating: str = "softmax"  # or "sigmoid", "softmax_topk"
+    gating: str = "softmax"  # or "sigmoid", "softmax_topk", "sparsemixer"
     selection_bias: torch.Tensor | None = None  # [X] added to the probabilities to choose (DeepSeek-V3)
     groups: tuple[int, int] = (0, 0)  # (groups, groups kept): group-limited choice; 0: none
+    jitter_eps: float = 0.0  # sparsemixer: logits within 2 * jitter_eps (relative) share a weight
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert ids [N, K], weights [N, K])."""
@@ -65,6 +68,9 @@ class Router:
         if self.gating == "softmax_topk":
             top_logits, ids = torch.topk(logits, self.top_k, dim=-1)  # [N, K]
             weights = torch.softmax(top_logits, dim=-1)
+        elif self.gating == "sparsemixer":
+            ids = torch.topk(logits, self.top_k, dim=-1).indices  # [N, K]
+            weights = sparsemixer_weights(logits, ids, self.jitter_eps)
         elif self.selection_bias is None and self.groups[0] <= 1:
             probs = self.gate(logits)  # [N, X]
             weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [N, K]
@@ -107,6 +113,22 @@ def select_groups(choice: torch.Tensor, n_group: int, n_used: int) -> torch.Tens
     kept = group_scores.topk(n_used, dim=-1).indices  # [N, n_used]
     mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [N, G]
     return grouped.masked_fill(~mask[:, :, None], float("-inf")).view_as(choice)  # [N, X]
+
+
+def sparsemixer_weights(logits: torch.Tensor, ids: torch.Tensor, jitter_eps: float) -> torch.Tensor:
+    """transformers' sparsemixer at inference (Phi-3.5-MoE): pick k is weighted by the softmax,
+    over the logits not yet picked, of those within a relative 2 * jitter_eps of its own logit;
+    about 1 each unless logits nearly tie. logits [N, X], ids [N, K] (the top-k) -> [N, K]."""
+    remaining = logits.clone()  # [N, X]
+    weights = []
+    for k in range(ids.shape[1]):
+        pick = ids[:, k:k + 1]  # [N, 1]
+        top = remaining.gather(1, pick)  # [N, 1]
+        far = (top - logits) / logits.abs().clamp(min=top) > 2 * jitter_eps  # [N, X]
+        near = torch.softmax(remaining.masked_fill(far, float("-inf")), dim=-1)  # [N, X]
+        weights.append(near.gather(1, pick))
+        remaining = remaining.scatter(1, pick, float("-inf"))
+    return torch.cat(weights, dim=-1)  # [N, K]
 
 
 @dataclass

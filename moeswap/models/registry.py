@@ -11,6 +11,7 @@ import moeswap.models.glm4moe as glm4moe
 import moeswap.models.gpt_oss as gpt_oss
 import moeswap.models.granitemoe as granitemoe
 import moeswap.models.llama as llama
+import moeswap.models.phimoe as phimoe
 import moeswap.models.qwen2moe as qwen2moe
 import moeswap.models.qwen3moe as qwen3moe
 from moeswap.errors import MoeswapError
@@ -26,6 +27,7 @@ FAMILIES: dict[str, ModuleType] = {
     "gpt-oss": gpt_oss,
     "gemma4": gemma4,
     "glm4moe": glm4moe,
+    "phimoe": phimoe,
 }
 
 

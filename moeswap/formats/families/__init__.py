@@ -15,6 +15,7 @@ import moeswap.formats.families.glm4moe as glm4moe
 import moeswap.formats.families.gpt_oss as gpt_oss
 import moeswap.formats.families.granitemoe as granitemoe
 import moeswap.formats.families.llama as llama
+import moeswap.formats.families.phimoe as phimoe
 import moeswap.formats.families.qwen2moe as qwen2moe
 import moeswap.formats.families.qwen3moe as qwen3moe
 from moeswap.formats.families.hooks import FamilyHooks
@@ -31,4 +32,5 @@ FAMILIES: dict[str, FamilyHooks] = {
     "gpt-oss": gpt_oss.HOOKS,
     "gemma4": gemma4.HOOKS,
     "glm4moe": glm4moe.HOOKS,
+    "phimoe": phimoe.HOOKS,
 }

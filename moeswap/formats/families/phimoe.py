@@ -1,0 +1,53 @@
+"""Phi-3.5-MoE (GGUF arch phimoe). llama.cpp and transformers compute it differently, on
+purpose, and moeswap follows each for its own files (docs/ARCHITECTURES.md):
+
+- norms: llama.cpp's phimoe graph takes RMS norm plus the bias (LLM_NORM_RMS with a bias
+  tensor); transformers' PhimoeDecoderLayer takes LayerNorm (``layer_norm``);
+- routing: llama.cpp takes a softmax over all experts, its top 2 renormalised; transformers'
+  sparsemixer weighs each of the top 2 logits by a softmax over the logits near it, about 1
+  each (``gating`` "sparsemixer", ``router_jitter``);
+- LongRoPE: llama.cpp multiplies cos/sin by the converter's ``rope.scaling.attn_factor`` and
+  takes the long factors when its context exceeds ``rope.scaling.original_context_length``;
+  transformers multiplies by ``short_mscale`` and takes the short factors at every length.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from moeswap.errors import MoeswapError
+from moeswap.formats.families.hooks import FamilyHooks
+from moeswap.formats.rope_scaling import hf_rope_parameters
+
+
+def gguf_fields(path: Any, key: Callable[..., Any], fields: dict[str, Any]) -> None:
+    # llama.cpp's phimoe experts are feed_forward_length wide; no layer is dense.
+    if not fields["n_ff_exp"]:
+        fields["n_ff_exp"], fields["n_ff"] = fields["n_ff"], 0
+    # llama.cpp's phimoe loader never reads the sliding window the converter writes.
+    fields.update(sliding_window=0, swa_layers=())
+    fields["rope_mscale"] = float(key("rope.scaling.attn_factor", 1.0))
+    fields["rope_orig_ctx"] = int(key("rope.scaling.original_context_length", 0)
+                                  or fields["n_ctx_train"])
+
+
+def hf_fields(hf: dict[str, Any], folder: Path, fields: dict[str, Any]) -> None:
+    """transformers' PhimoeForCausalLM: LayerNorm, sparsemixer, LongRoPE's short factors."""
+    if hf.get("num_experts_per_tok", 2) != 2:
+        raise MoeswapError(f"{folder}/config.json: num_experts_per_tok="
+                           f"{hf['num_experts_per_tok']}: transformers' sparsemixer picks 2 experts "
+                           "whatever it says, llama.cpp would pick that many; only 2 is supported")
+    fields.update(layer_norm=True, gating="sparsemixer", expert_weights_norm=False,
+                  router_jitter=float(hf.get("router_jitter_noise", 0.01)))
+    rope = hf_rope_parameters(hf, "full_attention")
+    if rope.get("rope_type", "default") in ("longrope", "su"):
+        short, long = rope["short_mscale"], rope["long_mscale"]
+        if short != long:  # transformers switches per forward on its longest position
+            raise MoeswapError(f"{folder}/config.json: short_mscale {short} and long_mscale {long} "
+                               "differ; moeswap applies one (Phi-3.5-MoE publishes them equal)")
+        fields.update(rope_mscale=float(short),
+                      rope_factors=tuple(float(f) for f in rope["short_factor"]))
+
+
+HOOKS = FamilyHooks(gguf_fields=gguf_fields, hf_fields=hf_fields)
