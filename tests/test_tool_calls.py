@@ -4,6 +4,7 @@ server's side is tests/test_server_tools.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import tokenizers
@@ -11,8 +12,10 @@ import torch
 from tokenizers import decoders, models, pre_tokenizers
 
 from moeswap.sampling import GREEDY
+from moeswap.server.choices import Piece
 from moeswap.server.constrained import Grammar, lark_grammar, response_format_grammar
 from moeswap.server.tool_calls import HARMONY, HERMES, parse_tool_calls, tool_format
+from moeswap.server.tool_pieces import MARK, ToolCallPieces
 from moeswap.server.tool_prompts import forced_call_lark, tool_template_input
 from moeswap.template_library import BUILT_IN
 from moeswap.tokenizer import SpecialTokens, Tokenizer
@@ -163,3 +166,47 @@ def test_the_mask_keeps_the_best_allowed_token_and_ends_on_the_stop_id():
     assert tok.decode([sampler.next_token(logits, [])]) == "}"
     assert sampler.allowed(size).nonzero().flatten().tolist() == [tok.eos_id]
     assert sampler.next_token(logits, []) == tok.eos_id
+
+
+class FakeChoices:
+    """Pieces of one choice as the batching loop would send them, the last with every id."""
+
+    def __init__(self, tokenizer: Tokenizer, texts: list[str]):
+        self.texts, self.ids = texts, tokenizer.encode("".join(texts), add_special=False)
+
+    def cancel(self) -> None:
+        pass
+
+    async def pieces(self):
+        for text in self.texts[:-1]:
+            yield Piece(0, text)
+        yield Piece(0, self.texts[-1], "stop", ids=tuple(self.ids))
+
+
+def streamed(tokenizer: Tokenizer, texts: list[str], convention: str = HERMES) -> list[Piece]:
+    async def collect():
+        return [p async for p in ToolCallPieces(FakeChoices(tokenizer, texts), tokenizer,
+                                                convention).pieces()]
+    return asyncio.run(collect())
+
+
+def test_text_streams_until_a_call_begins():
+    tok = byte_tokenizer(["</s>"])
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    pieces = streamed(tok, ["Let me", " look. \n<tool", "_call>", call[len(MARK):]])
+    assert [p.text for p in pieces] == ["Let me", " look.", ""]  # the space and newline dropped
+    assert pieces[-1].finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in pieces[-1].tool_calls] == [("f", '{"a": 1}')]
+    plain = streamed(tok, ["a <tool", " b  ", "c\n"])  # looked like a call's start, was not
+    assert "".join(p.text for p in plain) == "a <tool b  c\n"
+    assert plain[-1].finish_reason == "stop" and not plain[-1].tool_calls
+    broken = streamed(tok, ["x ", "<tool_call>{oops}"])  # kept as content
+    assert "".join(p.text for p in broken) == "x <tool_call>{oops}"
+
+
+def test_harmony_replies_are_held_and_parsed_from_their_tokens():
+    tok = byte_tokenizer(["<|call|>"] + HARMONY_SPECIALS)
+    text = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
+    pieces = streamed(tok, [text[:20], text[20:]], HARMONY)
+    assert [p.text for p in pieces] == [""]
+    assert pieces[0].tool_calls[0].name == "f" and pieces[0].finish_reason == "tool_calls"
