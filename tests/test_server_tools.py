@@ -13,6 +13,7 @@ from test_server_live import serve_app
 from test_tool_calls import TIME, WEATHER
 
 import moeswap
+from moeswap.chat_template import ChatTemplate
 from moeswap.server.api_errors import ApiError
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
@@ -192,3 +193,32 @@ def test_a_template_with_another_call_format_is_refused_by_name(runtime):
     assert caught.value.status == 400 and "--chat-template chatml" in str(caught.value)
     # without tools the same request is fine
     plan_chat(ChatBody.model_validate({"model": MODEL, "messages": ASK}), other)
+
+
+# A template in the Qwen 2.5 style, written for this test: tools in the system turn, earlier
+# calls with their arguments through tojson, results as <tool_response> in a user turn.
+QWEN_STYLE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\nCall with <tool_call>JSON</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
+    "{% for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_reads_tools_gets_them_and_earlier_calls_as_objects(runtime):
+    qwen = SimpleNamespace(tokenizer=runtime.tokenizer, chat_template=ChatTemplate(QWEN_STYLE))
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call_1", "type": "function",
+                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    body = ChatBody.model_validate({"model": MODEL, "messages": history, "tools": [WEATHER]})
+    plan = plan_chat(body, qwen)
+    assert plan.tool_convention == "hermes" and plan.grammar is None
+    text = qwen.chat_template.render(plan.messages, **plan.variables)
+    assert json.dumps(WEATHER) in text  # the tool as the client sent it
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text  # not a string
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert text.count("# Tools") == 1  # no second description in words
