@@ -28,11 +28,18 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "m
 
 
 def parse_size(text: str) -> int:
-    """'12GiB', '512MiB', '1.5GB', '4096' -> bytes (a fraction of a byte rounds up)."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
+    """'12GiB', '512MiB', '1.5GB', '4096' -> bytes (a fraction of a byte rounds up). Strict:
+    a fraction without a unit ('1.5': of what?) and a negative size are refused."""
+    match = re.fullmatch(r"\s*(-?)([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(3).lower() not in _UNITS:
         raise MoeswapError(f"cannot read {text!r} as a size; write e.g. 512MiB, 12GiB or 4096")
-    return math.ceil(round(float(match.group(1)) * _UNITS[match.group(2).lower()], 6))
+    sign, number, unit = match.group(1), match.group(2), match.group(3).lower()
+    if sign:
+        raise MoeswapError(f"size {text!r} is negative; give 0 or more, e.g. 512MiB or 12GiB")
+    if "." in number and not unit:
+        raise MoeswapError(f"size {text!r} has a fraction but no unit; give one, e.g. "
+                           f"{number}GiB (a bare number counts bytes)")
+    return math.ceil(round(float(number) * _UNITS[unit], 6))
 
 
 def format_size(n_bytes: int) -> str:

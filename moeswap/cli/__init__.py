@@ -7,6 +7,7 @@ subcommand is one function that parses nothing itself and calls into the library
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from moeswap.errors import MoeswapError
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from moeswap.cli.common_args import resolve_model
 
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(join_negative_sizes(sys.argv[1:] if argv is None
+                                                                else argv))
     if unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "model_option"):
@@ -60,6 +62,23 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+
+
+_NEGATIVE_SIZE = re.compile(r"-[0-9][0-9.]*[a-zA-Z]+")
+
+
+def join_negative_sizes(argv: list[str]) -> list[str]:
+    """``--host-mem -5GiB`` as ``--host-mem=-5GiB``: argparse takes '-5GiB' for an option
+    (it is no plain negative number) and would say the flag has no value; joined, the size
+    parser says the size is negative."""
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] \
+                and _NEGATIVE_SIZE.fullmatch(arg):
+            joined[-1] = f"{joined[-1]}={arg}"
+        else:
+            joined.append(arg)
+    return joined
 
 
 def refuse_damaged_model(model: str | None) -> None:

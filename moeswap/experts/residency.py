@@ -61,8 +61,11 @@ class Residency:
         self.charge, charged = charge.terms(*paid), charge.bytes(*paid)
         if settings.host_bytes < charged:
             raise MoeswapError(charge.shortfall(settings.host_bytes, self.charge, slot_size))
-        host_slots = (settings.host_bytes - charged) // slot_size if slot_size else 0
-        device_slots = settings.device_bytes // slot_size if slot_size else 0
+        # Slots past one per routed expert would never be filled: a budget larger than the
+        # experts (--host-mem 32GiB on a small model) allocates only what can be held.
+        n_keys = sum(layout.n_experts for layout in layouts.values())
+        host_slots = min(n_keys, (settings.host_bytes - charged) // slot_size) if slot_size else 0
+        device_slots = min(n_keys, settings.device_bytes // slot_size) if slot_size else 0
         self.budgets = {"host": settings.host_bytes, "device": settings.device_bytes}
         self.charged = {"host": charged, "device": 0}
         self.on_torch_device = settings.device_backend != "ram"
