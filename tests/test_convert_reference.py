@@ -30,8 +30,9 @@ import runpy, sys
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, script.rsplit("/", 1)[0])
-from conversion import deepseek, gemma, glm, gpt_oss
-for model in (deepseek.DeepseekV2Model, gpt_oss.GptOssModel, gemma.Gemma4Model, glm.Glm4MoeModel):
+from conversion import deepseek, gemma, glm, gpt_oss, llama
+for model in (deepseek.DeepseekV2Model, gpt_oss.GptOssModel, gemma.Gemma4Model, glm.Glm4MoeModel,
+              llama.Llama4Model):
     model.set_vocab = lambda self: self._set_vocab_sentencepiece()
 runpy.run_path(script, run_name="__main__")
 """

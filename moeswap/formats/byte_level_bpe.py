@@ -46,11 +46,23 @@ _GLM4 = (
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
 
+# Llama 4 (pre "llama4", LLAMA_VOCAB_PRE_TYPE_GPT4O): GPT-4o's pattern as llama.cpp rewrites it,
+# its letter-case classes turned into "a letter but not a-z" / "a letter but not A-Z" (so every
+# non-ASCII letter counts as both cases, and marks as none); digits in threes; punctuation with
+# its trailing newlines or slashes.
+_CASED_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+" + _CASED_CONTRACTIONS
+    + r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*" + _CASED_CONTRACTIONS
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
 SPLITS: dict[str, tuple[str, ...]] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "kimi-k2": _KIMI_K2,
     "glm4": _GLM4,
     "glm5": _GLM4,
+    "llama4": _GPT4O,
 }
 # Pre-types for which llama.cpp takes a piece found whole in the vocabulary as that one token
 # before merging (ignore_merges; tokenizers' BPE option of the same name).

@@ -47,6 +47,9 @@ ARCH_TRAITS = {
     "gemma4": ArchTraits(rope_neox=True, expert_weights_norm=True, swa_pattern=6, expert_act="gelu"),
     "glm4moe": ArchTraits(rope_neox=True, expert_weights_norm=False, gating="sigmoid"),
     "phimoe": ArchTraits(rope_neox=True, expert_weights_norm=True),  # Phi-3.5-MoE
+    # Llama 4: 3 chunked-attention (RoPE) layers then 1 full (NoPE); top-k of the logits, each
+    # weighted by its sigmoid
+    "llama4": ArchTraits(rope_neox=False, expert_weights_norm=False, swa_pattern=4, gating="sigmoid"),
 }
 
 # HF ``architectures[0]`` -> GGUF ``general.architecture``.
@@ -69,6 +72,8 @@ HF_ARCHITECTURES = {
     "Glm4MoeForCausalLM": "glm4moe",  # GLM-4.5 / 4.5-Air / 4.6
     "PhimoeForCausalLM": "phimoe",  # Phi-3.5-MoE, as transformers saves it
     "PhiMoEForCausalLM": "phimoe",  # ... and as microsoft/Phi-3.5-MoE-instruct publishes it
+    "Llama4ForCausalLM": "llama4",  # Llama 4 Scout / Maverick, text part
+    "Llama4ForConditionalGeneration": "llama4",
 }
 
 
@@ -118,6 +123,13 @@ class ModelConfig:
     n_rot_swa: int = 0  # Gemma 4: rotated dims of sliding-window layers (0: head_dim_swa)
     rope_partial: float = 1.0  # Gemma 4 global layers rotate this fraction of the head ("proportional"
     # RoPE); a GGUF carries it as the rope_freqs tensor instead
+    n_moe_layer_step: int = 0  # Llama 4: layer i is MoE when (i + 1) % step == 0 (0: every layer)
+    no_rope_layers: tuple[bool, ...] = ()  # Llama 4: per layer, True where attention has no RoPE
+    chunked_attention: bool = False  # the sliding layers attend within aligned chunks of
+    # sliding_window positions (Llama 4), not over a window
+    attn_temp_floor: int = 0  # Llama 4's NoPE layers scale q by 1 + attn_temp_scale *
+    attn_temp_scale: float = 0.0  # log(floor((pos + 1) / attn_temp_floor) + 1); 0: no scaling
+    qk_l2_norm: bool = False  # Llama 4: q and k RMS-normalised (no weight) after RoPE
     rope_mscale: float = 1.0  # cos/sin multiplier without YaRN (Phi-3.5-MoE's LongRoPE)
     rope_factors: tuple[float, ...] = ()  # per rotated pair, dividing its frequency (a HF
     # folder's LongRoPE short_factor; a GGUF carries rope_factors_short / _long tensors)
@@ -162,6 +174,7 @@ class ModelConfig:
         if not self.sliding_window:
             self.swa_layers = (False,) * self.n_layer
         self.swa_layers = tuple(bool(s) for s in self.swa_layers)
+        self.no_rope_layers = tuple(bool(n) for n in self.no_rope_layers) or (False,) * self.n_layer
 
     @property
     def is_moe(self) -> bool:
@@ -193,8 +206,11 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> list[int]:
-        """Layers whose FFN is the MoE block (DeepSeek's leading layers stay dense)."""
-        return list(range(self.n_layer_dense_lead, self.n_layer)) if self.is_moe else []
+        """Layers whose FFN is the MoE block (DeepSeek's leading layers and Llama 4's
+        interleaved ones stay dense)."""
+        step = self.n_moe_layer_step
+        return [i for i in range(self.n_layer_dense_lead, self.n_layer)
+                if not step or (i + 1) % step == 0] if self.is_moe else []
 
 
 # Keys a GGUF may give per layer, accepted when all layers agree (moeswap has one width per

@@ -12,6 +12,8 @@ say how the tensor changes on the way (the same changes llama.cpp's convert_hf_t
   up      take the second half of the rows
   even    take the even (gate) / odd (up) columns (dim -1): GPT-OSS's interleaved gate_up
   odd
+  first   take the first (gate) / second (up) half of the columns (dim -1): Llama 4's gate_up
+  second  [E, in, 2F]
   t       transpose the last two dims (GPT-OSS stores experts [E, in, out])
   kb / vb split MLA's kv_b_proj per head into k_b [H, kv_lora, nope] and v_b [H, v, kv_lora]
   mxfp4   GPT-OSS's published experts: ``*_blocks`` [E, out, in/32, 16] plus ``*_scales``
@@ -36,7 +38,7 @@ from moeswap.formats.families import FAMILIES
 
 _L = r"model\.layers\.(\d+)\."
 # Ops that cut one HF tensor into parts of several GGUF tensors.
-_FANOUT_OPS = frozenset({"gate", "up", "even", "odd", "kb", "vb"})
+_FANOUT_OPS = frozenset({"gate", "up", "even", "odd", "first", "second", "kb", "vb"})
 MXFP4_SCALES_SUFFIX = "_scales"  # read together with their "_blocks" tensor
 
 
@@ -122,6 +124,16 @@ RULES = (
     NameRule(_L + r"shared_mlp\.input_linear\.weight", "blk.{layer}.ffn_gate_shexp.weight", "gate"),  # Granite-MoE-Shared
     NameRule(_L + r"shared_mlp\.input_linear\.weight", "blk.{layer}.ffn_up_shexp.weight", "up"),  # Granite-MoE-Shared
     NameRule(_L + r"shared_mlp\.output_linear\.weight", "blk.{layer}.ffn_down_shexp.weight"),  # Granite-MoE-Shared
+    NameRule(_L + r"feed_forward\.gate_proj\.weight", "blk.{layer}.ffn_gate.weight"),  # Llama 4 (dense)
+    NameRule(_L + r"feed_forward\.up_proj\.weight", "blk.{layer}.ffn_up.weight"),  # Llama 4 (dense)
+    NameRule(_L + r"feed_forward\.down_proj\.weight", "blk.{layer}.ffn_down.weight"),  # Llama 4 (dense)
+    NameRule(_L + r"feed_forward\.router\.weight", "blk.{layer}.ffn_gate_inp.weight"),  # Llama 4
+    NameRule(_L + r"feed_forward\.experts\.gate_up_proj", "blk.{layer}.ffn_gate_exps.weight", "stacked+first+t"),  # Llama 4
+    NameRule(_L + r"feed_forward\.experts\.gate_up_proj", "blk.{layer}.ffn_up_exps.weight", "stacked+second+t"),  # Llama 4
+    NameRule(_L + r"feed_forward\.experts\.down_proj", "blk.{layer}.ffn_down_exps.weight", "stacked+t"),  # Llama 4
+    NameRule(_L + r"feed_forward\.shared_expert\.gate_proj\.weight", "blk.{layer}.ffn_gate_shexp.weight"),  # Llama 4
+    NameRule(_L + r"feed_forward\.shared_expert\.up_proj\.weight", "blk.{layer}.ffn_up_shexp.weight"),  # Llama 4
+    NameRule(_L + r"feed_forward\.shared_expert\.down_proj\.weight", "blk.{layer}.ffn_down_shexp.weight"),  # Llama 4
 )
 
 _COMPILED = tuple((re.compile(rule.hf), rule) for rule in RULES)
@@ -135,8 +147,8 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*\.experts\.\w+_proj" + MXFP4_S
 # under a prefix, matched as the text-only model's; the vision / audio towers are not converted.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
-_OTHER_MODALITIES = re.compile(r"(model\.)?(vision_tower|multi_modal_projector|embed_vision|"
-                               r"audio_tower|embed_audio)\.")
+_OTHER_MODALITIES = re.compile(r"(model\.)?(vision_tower|vision_model|multi_modal_projector|"
+                               r"embed_vision|audio_tower|embed_audio)\.")
 
 
 @dataclass(frozen=True)
@@ -251,7 +263,7 @@ def mxfp4_to_ggml(blocks: torch.Tensor, scales: torch.Tensor, ops: frozenset[str
 
 
 def select_part(w: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:
-    """The gate or up part of a fused gate+up tensor: halves of dim -2, or interleaved dim -1."""
+    """The gate or up part of a fused gate+up tensor: halves of dim -2 or -1, or interleaved dim -1."""
     if "gate" in ops:
         return w[..., : w.shape[-2] // 2, :]
     if "up" in ops:
@@ -260,4 +272,8 @@ def select_part(w: torch.Tensor, ops: frozenset[str]) -> torch.Tensor:
         return w[..., 0::2]
     if "odd" in ops:
         return w[..., 1::2]
+    if "first" in ops:
+        return w[..., : w.shape[-1] // 2]
+    if "second" in ops:
+        return w[..., w.shape[-1] // 2:]
     return w

@@ -43,7 +43,8 @@ class KVCache:
     A full-attention layer (window 0) keeps every position in order. A sliding-window layer
     keeps a ring: a query at position p sees keys at p - window < k <= p, so once a step's
     new tokens are written only the last window - 1 positions can still be seen, and the
-    ring needs min(length, window - 1) + T slots for a step of T new tokens. Slots are
+    ring needs min(length, window - 1) + T slots for a step of T new tokens (a chunked layer
+    too: a query's chunk starts at most window - 1 positions back). Slots are
     reused in place (no copy per step). Every slot carries its absolute position, which
     ``attend`` masks with, so stale slots cost nothing but compute.
 
@@ -248,6 +249,7 @@ class AttentionSpec:
     scale: float  # multiplies q.k
     eps: float  # of the q/k norms
     window: int = 0  # sliding window (0: full causal attention)
+    chunked: bool = False  # the window is an aligned chunk, not a sliding window (Llama 4)
     softcap: float = 0.0  # tanh soft cap on the scores (0: none)
 
 
@@ -268,19 +270,25 @@ class Attention:
         v = v.view(-1, s.n_head_kv, s.head_dim)  # [N, K, E]
         if w.q_norm is not None and w.q_norm.shape[0] == s.head_dim:  # per-head norm
             q, k = rms_norm(q, w.q_norm, s.eps), rms_norm(k, w.k_norm, s.eps)
-        q, k = self.rope(q, batch.positions), self.rope(k, batch.positions)
+        q, k = self.place(q, k, batch.positions)
         out = torch.empty_like(q)
         for (start, end), cache in zip(batch.spans, batch.caches):
             keys, values, k_pos = cache.append(self.layer, k[start:end], v[start:end])  # [S, K, E]
             out[start:end] = attend(s, q[start:end], keys, values, cache.length, k_pos, w.sinks)
         return w.wo(out.flatten(1))  # [N, D]
 
+    def place(self, q: torch.Tensor, k: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where positions enter: RoPE on q [N, H, E] and k [N, K, E] (a family may differ)."""
+        return self.rope(q, positions), self.rope(k, positions)
+
 
 def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            past: int, k_pos: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, E] at positions past..past+T-1 against keys [S, K, E], values [S, K, V] at
     positions k_pos [S] (any order) -> [T, H, V]. A query at p sees keys at k <= p, and with a
-    window only p - k < window (llama.cpp's is_masked_swa: masked when p - k >= n_swa).
+    window only p - k < window (llama.cpp's is_masked_swa: masked when p - k >= n_swa), or
+    with chunks only k in p's chunk (LLAMA_SWA_TYPE_CHUNKED: k >= p // window * window).
 
     A sink is one more logit per head in the softmax, with no value (GPT-OSS).
 
@@ -309,7 +317,9 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
     q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]
     k_pos = k_pos[None, :]  # [1, S]
     visible = k_pos <= q_pos
-    if s.window:
+    if s.window and s.chunked:
+        visible &= k_pos >= q_pos // s.window * s.window
+    elif s.window:
         visible &= q_pos - k_pos < s.window
     scores.masked_fill_(~visible, float("-inf"))
     if sinks is not None:

@@ -120,7 +120,7 @@ def attention_weights(weights: Any, layer: int) -> AttentionWeights:
 def attention_spec(config: ModelConfig, layer: int) -> AttentionSpec:
     c = config
     return AttentionSpec(c.n_head, c.n_head_kv, c.head_dim, c.attention_scale, c.rms_eps,
-                         window=c.layer_windows[layer],
+                         window=c.layer_windows[layer], chunked=c.chunked_attention,
                          softcap=c.attn_logit_softcap)
 
 
@@ -153,26 +153,33 @@ def dense_ffn(weights: Any, layer: int, suffix: str = "", gelu: bool = False) ->
 
 # Builds layer i's shared expert (or None) from the weights: (weights, i) -> SharedExpert | None.
 SharedExpertFactory = Callable[[Any, int], SharedExpert | None]
+# Builds layer i's attention: Attention's own arguments (layer, weights, spec, rope).
+AttentionFactory = Callable[[int, AttentionWeights, AttentionSpec, Rope], Attention]
 
 
 def build_pre_norm(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
                    recorder: DecisionRecorder | None = None, *, ffn_norm: str = "ffn_norm",
-                   shared_expert: SharedExpertFactory | None = None) -> CausalLM:
+                   shared_expert: SharedExpertFactory | None = None,
+                   attention: AttentionFactory = Attention,
+                   weight_expert_input: bool = False) -> CausalLM:
     """The pre-norm decoder the llama-like families share: attention, then the MoE block (a dense
-    FFN in the leading dense layers and in a model without experts). Families differ in the FFN
-    norm's name and the shared expert; everything else (biases, q/k norms, rope kind,
-    multipliers) the config carries."""
+    FFN in the leading dense layers, in Llama 4's interleaved ones and in a model without
+    experts). Families differ in the FFN norm's name, the shared expert, where positions enter
+    attention (Llama 4) and whether routing weights an expert's input (Llama 4) or its output;
+    everything else (biases, q/k norms, rope kind, multipliers) the config carries."""
     rotary = rope(config, weights)
     moe = set(config.moe_layers)
     layers = []
     for i in range(config.n_layer):
-        attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
+        layer_attention = attention(i, attention_weights(weights, i), attention_spec(config, i),
+                                    rotary)
         if i in moe:
             shared = shared_expert(weights, i) if shared_expert else None
-            ffn = MoEBlock(i, router(config, weights, i), experts, shared, recorder=recorder)
+            ffn = MoEBlock(i, router(config, weights, i), experts, shared, recorder=recorder,
+                           weight_input=weight_expert_input)
         else:
             ffn = dense_ffn(weights, i)
-        layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), attention,
+        layers.append(PreNormLayer(weights.tensor(f"blk.{i}.attn_norm.weight"), layer_attention,
                                    weights.tensor(f"blk.{i}.{ffn_norm}.weight"), ffn, config.rms_eps,
                                    config.residual_scale))
     return assemble(config, source, weights, layers, recorder)

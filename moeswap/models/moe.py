@@ -8,9 +8,10 @@ selection bias (``exp_probs_b``) to the probabilities for choosing experts only,
 the choice to the best groups of experts (``select_groups``); the weights stay the unbiased
 probabilities of the chosen experts. transformers' Phi-3.5-MoE ("sparsemixer") picks the top 2
 logits and weighs each by a softmax over the logits near it (``sparsemixer_weights``). Weights
-are renormalised to sum to 1 when the family says so, then multiplied by ``scale``. Shared
-experts run beside the routed ones on every token, gated by sigmoid(w . x) in Qwen2-MoE and
-ungated in Granite-MoE-Shared.
+are renormalised to sum to 1 when the family says so, then multiplied by ``scale``. Llama 4
+weights each expert's input instead of its output (``weight_input``: expert(w * x), llama.cpp's
+weight_before_ffn). Shared experts run beside the routed ones on every token, gated by
+sigmoid(w . x) in Qwen2-MoE and ungated in Granite-MoE-Shared.
 
 The block hands each routing decision to a recorder when it was built with one
 (moeswap.routing.recorder.RoutingRecorder); recording only reads the decision.
@@ -150,13 +151,19 @@ class MoEBlock:
     experts: ExpertRunner
     shared: SharedExpert | None = None
     recorder: DecisionRecorder | None = None
+    weight_input: bool = False  # each expert computes expert(w * x), unweighted after (Llama 4)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
         ids, weights = self.router(x)
         if self.recorder is not None:
             self.router.report(self.recorder, self.layer, x, ids, weights)
-        y = self.experts.run(self.layer, x, ids, weights)
+        if self.weight_input:  # one run per choice k: its input scaled by its own weight
+            ones = torch.ones_like(weights[:, :1])  # [N, 1]
+            y = sum(self.experts.run(self.layer, x * weights[:, k:k + 1], ids[:, k:k + 1], ones)
+                    for k in range(ids.shape[1]))
+        else:
+            y = self.experts.run(self.layer, x, ids, weights)
         if self.shared is not None:
             y = y + self.shared(x)
         return y

@@ -11,6 +11,7 @@ import moeswap.models.glm4moe as glm4moe
 import moeswap.models.gpt_oss as gpt_oss
 import moeswap.models.granitemoe as granitemoe
 import moeswap.models.llama as llama
+import moeswap.models.llama4 as llama4
 import moeswap.models.phimoe as phimoe
 import moeswap.models.qwen2moe as qwen2moe
 import moeswap.models.qwen3moe as qwen3moe
@@ -28,6 +29,7 @@ FAMILIES: dict[str, ModuleType] = {
     "gemma4": gemma4,
     "glm4moe": glm4moe,
     "phimoe": phimoe,
+    "llama4": llama4,
 }
 
 

@@ -15,6 +15,7 @@ import moeswap.formats.families.glm4moe as glm4moe
 import moeswap.formats.families.gpt_oss as gpt_oss
 import moeswap.formats.families.granitemoe as granitemoe
 import moeswap.formats.families.llama as llama
+import moeswap.formats.families.llama4 as llama4
 import moeswap.formats.families.phimoe as phimoe
 import moeswap.formats.families.qwen2moe as qwen2moe
 import moeswap.formats.families.qwen3moe as qwen3moe
@@ -33,4 +34,5 @@ FAMILIES: dict[str, FamilyHooks] = {
     "gemma4": gemma4.HOOKS,
     "glm4moe": glm4moe.HOOKS,
     "phimoe": phimoe.HOOKS,
+    "llama4": llama4.HOOKS,
 }

@@ -1,0 +1,137 @@
+"""Llama 4, text part (GGUF arch llama4), on files written by llama.cpp's own convert_hf_to_gguf.py
+(MOESWAP_LLAMA_CPP_CONVERT, as in tests/test_deepseek3.py).
+
+The tiny Llama4ForCausalLM (tests/tiny_models.py, "llama4") has 4 layers: MoE at 1 and 3
+(interleave_moe_layer_step 2) beside dense layers 0 and 2, 4 experts top-1 whose sigmoid weight
+scales the expert's input, a shared expert, layer 3 without RoPE, chunks of 6 positions on the
+RoPE layers and a temperature floor of 4 on the NoPE one, so that both act within the 16-token
+prompt. The converter takes the text-only Llama4ForCausalLM folder as it is (no vision part
+needed); its vocabulary reader wants Llama 4's BPE tokenizer, so these files take the tiny
+SentencePiece one instead (test_convert_reference.SENTENCEPIECE_VOCAB).
+
+The folder follows transformers' config. The GGUF follows llama.cpp, which writes none of the
+chunk and temperature keys and hard-codes Scout's values (8192-position chunks, floor 8192,
+scale 0.1): it is held to transformers run with those values, and to llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny_models
+from moeswap.formats.config import config_from_gguf, config_from_hf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.models import load_model
+from test_deepseek3 import (PROMPT, assert_matches_transformers, llama_cpp_logits, moeswap_logits,
+                            reference_convert)
+from tiny_models import relative_error
+
+SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
+# What llama.cpp's llama4 loader hard-codes (src/models/llama4.cpp), as transformers' keys.
+LLAMA_CPP_CONSTANTS = dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+
+pytestmark = pytest.mark.skipif(not Path(SCRIPT).is_file(), reason=(
+    "set MOESWAP_LLAMA_CPP_CONVERT to llama.cpp's convert_hf_to_gguf.py (from the "
+    "llama-cpp-python 0.3.36 sdist): these files come from the reference converter"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama4")
+    reference = tiny_models.save("llama4", root / "hf")
+    return reference, root / "hf", {t: reference_convert(root / "hf", t) for t in ("f32", "q8_0")}
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_reference():
+    """The same weights in transformers, with llama.cpp's chunk and temperature constants."""
+    return tiny_models.build("llama4", **LLAMA_CPP_CONSTANTS)
+
+
+def test_the_files_carry_the_llama4_layout(files):
+    _, hf_dir, paths = files
+    for path in paths.values():
+        config = config_from_gguf(GGUFFile.open(path))
+        assert config.moe_layers == [1, 3] and config.n_moe_layer_step == 2
+        assert (config.n_ff, config.n_ff_exp, config.n_ff_shexp) == (96, 32, 32)
+        assert config.no_rope_layers == (False, False, False, True)
+        assert config.swa_layers == (True, True, True, False) and config.chunked_attention
+        assert (config.sliding_window, config.attn_temp_floor, config.attn_temp_scale) == (
+            8192, 8192, 0.1)
+        assert config.gating == "sigmoid" and not config.expert_weights_norm
+        assert config.qk_l2_norm and not config.rope_neox
+    folder = config_from_hf(hf_dir)
+    assert (folder.sliding_window, folder.attn_temp_floor, folder.attn_temp_scale) == (6, 4, 0.5)
+    assert folder.moe_layers == [1, 3] and folder.no_rope_layers == (False, False, False, True)
+
+
+def test_llama_cpp_reference_has_the_same_weights(files, llama_cpp_reference):
+    reference, _, _ = files
+    theirs = llama_cpp_reference.state_dict()
+    assert all(torch.equal(w, theirs[name]) for name, w in reference.state_dict().items())
+
+
+def test_the_tiny_config_makes_chunks_and_temperature_act(files):
+    """In transformers: 8192-position chunks, or a floor of 8192, change the prompt's logits."""
+    reference, _, _ = files
+    ours = tiny_models.reference_logits(reference, PROMPT.tolist())
+    for override in (dict(attention_chunk_size=8192), dict(floor_scale=8192)):
+        other = tiny_models.reference_logits(tiny_models.build("llama4", **override),
+                                             PROMPT.tolist())
+        assert relative_error(other, ours) > 1e-2, override
+
+
+def test_routing_weights_the_expert_input(files):
+    """Weighting the experts' output instead (as other families do) changes the logits."""
+    _, hf_dir, _ = files
+    model = load_model(hf_dir)
+    expected = model.forward([PROMPT], [model.new_cache()])[0]
+    for i in model.config.moe_layers:
+        model.layers[i].ffn.weight_input = False
+    assert relative_error(model.forward([PROMPT], [model.new_cache()])[0], expected) > 1e-3
+
+
+def test_folder_matches_transformers(files):
+    reference, hf_dir, _ = files
+    assert_matches_transformers(load_model(hf_dir), reference)
+
+
+def test_f32_gguf_matches_transformers_with_llama_cpps_constants(files, llama_cpp_reference):
+    assert_matches_transformers(load_model(files[2]["f32"]), llama_cpp_reference)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("out_type", ["f32", "q8_0"])
+def test_gguf_matches_llama_cpp(files, out_type):
+    path = files[2][out_type]
+    assert relative_error(moeswap_logits(path), llama_cpp_logits(path)) <= 1e-4
+
+
+def test_tools_and_store_know_the_family(files):
+    """doctor finds nothing, inspect sees the interleaved dense and MoE layers, the shared
+    expert is a shared weight, and offload at one expert slot per layer gives the resident
+    model's logits bit for bit."""
+    from moeswap.experts.store import shared_bytes
+    from moeswap.gguf_tools.doctor import diagnose
+    from moeswap.gguf_tools.inspect import inspect_file
+    from moeswap.models.quant_experts import QuantResidentExperts
+    from moeswap.planner.sizes import model_sizes
+    from test_expert_store import decode_logits, plan, store_model
+
+    path = files[2]["q8_0"]
+    assert diagnose(path).findings == []
+    assert [row.kind for row in inspect_file(path).layers] == ["dense", "moe", "dense", "moe"]
+    gguf = GGUFFile.open(path)
+    routed = sum(t.n_bytes for t in gguf.tensors if "_exps." in t.name)
+    assert shared_bytes(gguf, [1, 3]) == sum(t.n_bytes for t in gguf.tensors) - routed
+    assert model_sizes(gguf).moe_layers == [1, 3]
+    resident = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
+    _, _, layers, _ = plan(path)
+    assert layers == [1, 3]
+    model, factory = store_model(path, len(layers))
+    assert torch.equal(decode_logits(model), resident)
+    assert factory.stats()["total"]["disk_misses"] > 0
