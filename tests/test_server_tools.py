@@ -165,6 +165,7 @@ def test_a_conversation_with_earlier_calls_renders(client):
     ({"response_format": {"type": "json_schema",
                           "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "yaml"}}, None),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
 ])

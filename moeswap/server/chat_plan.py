@@ -77,5 +77,6 @@ def plan_chat(body: ChatBody, runtime: Any) -> ChatPlan:
         else:
             grammar = None
     except GrammarError as e:
-        raise ApiError(400, str(e), param="tools" if calls_on else "response_format") from None
+        param = "tools" if calls_on else "response_format"
+        raise ApiError(400, f"{param}: {e}", param=param) from None
     return ChatPlan(messages, variables, grammar, convention if calls_on else None)

@@ -65,7 +65,7 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
     except ValueError as e:
-        raise GrammarError(f"the JSON schema cannot be used: {e}") from None
+        raise GrammarError(f"not a JSON schema: {e}") from None
 
 
 def lark_grammar(lark: str) -> str:
@@ -81,7 +81,9 @@ class Grammar:
         self.grammar = grammar
         error = llguidance.LLMatcher.validate_grammar(grammar, self.llg_tokenizer)
         if error:
-            raise GrammarError(f"the grammar cannot be used: {error.strip()}")
+            raise GrammarError(f"the schema cannot be compiled for constrained decoding "
+                               f"(llguidance: {error.strip()}); JSON Schema's `not` and some "
+                               "`format`s are not supported")
 
     def matcher(self) -> llguidance.LLMatcher:
         return llguidance.LLMatcher(self.llg_tokenizer, self.grammar, log_level=0)
@@ -130,9 +132,9 @@ def response_format_grammar(response_format: dict[str, Any]) -> str | None:
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-            raise GrammarError("response_format.json_schema: give an object with a `schema` "
+            raise GrammarError("json_schema: give an object with a `schema` "
                                "object (and a `name`)")
         # OpenAI: no schema means any JSON object
         return json_schema_grammar(spec.get("schema") or {"type": "object"})
-    raise GrammarError(f"response_format.type {json.dumps(kind)}: give text, json_object or "
+    raise GrammarError(f"type {json.dumps(kind)}: give text, json_object or "
                        "json_schema")
