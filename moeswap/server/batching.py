@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 
 from moeswap.errors import MoeswapError
+from moeswap.formats.file_watch import FileWatch
 from moeswap.memory import STEP_TOKENS
 from moeswap.sampling import Sampler
 from moeswap.server.slots import Slot, Slots
@@ -150,6 +151,7 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
         self._trim_heap = heap_trimmer()
         self._slots = Slots(options.max_batch, model.new_cache)
+        self._model_files = FileWatch.of_source(getattr(model, "source", None))  # issue 23
 
     def start(self) -> None:
         self._stopping = False
@@ -266,6 +268,7 @@ class BatchScheduler:
         started = time.perf_counter()
         try:
             with self._model_lock:
+                self._model_files.check()  # a file changed in place would SIGBUS the forward
                 logits = self.model.forward(
                     [torch.tensor(r.ids[r.fed:r.fed + n], dtype=torch.long) for r, n in feeds],
                     [r.cache for r in batch], last_only=True)
