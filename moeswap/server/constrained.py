@@ -35,12 +35,13 @@ _tokenizers_lock = threading.Lock()
 
 
 class GrammarError(MoeswapError):
-    """The grammar (a JSON schema, a tool's parameters) cannot be compiled."""
+    """Constrained decoding cannot be set up (a schema that does not compile, a vocabulary
+    llguidance cannot read) or went wrong."""
 
 
 def guidance_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    """The llguidance view of ``tokenizer``'s vocabulary, built once per tokenizer (a large
-    vocabulary takes about a second); its end tokens are the model's stop ids."""
+    """The llguidance view of ``tokenizer``'s vocabulary, built once per tokenizer (seconds for a
+    262k-token vocabulary); its end tokens are the model's stop ids."""
     with _tokenizers_lock:
         found = _tokenizers.get(tokenizer)
         if found is None:
