@@ -14,7 +14,7 @@ weights are often below 1 (asserted below). Two LongRoPE shapes: "long" (origina
 64 positions: llama.cpp's context of 64, padded to 256, takes the long factors) and "short"
 (original context 256, 1024 positions: the same context takes the short ones). Its config.json
 names the class as microsoft/Phi-3.5-MoE-instruct does (PhiMoEForCausalLM), which the
-converter wants.
+converter wants. ``moeswap convert`` writes the converter's files, key for key and byte for byte.
 """
 
 from __future__ import annotations
@@ -207,3 +207,12 @@ def test_tools_and_store_know_the_family(files):
 
     start = PROMPT.tolist()
     assert greedy(next_logits(model), start, 6) == greedy(next_logits(resident_model), start, 6)
+
+
+@pytest.mark.parametrize("out_type", ["f32", "q8_0"])
+def test_moeswap_convert_writes_the_reference_file(files, out_type, tmp_path):
+    from moeswap.gguf_tools.convert import convert
+    from test_convert_reference import assert_same_file
+
+    _, _, folder, paths = files
+    assert_same_file(paths[out_type], convert(folder, tmp_path / "ours.gguf", out_type))

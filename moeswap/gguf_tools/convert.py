@@ -16,9 +16,11 @@ from typing import Callable
 
 import gguf
 import numpy as np
+import torch
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig, hf_rope_parameters, read_hf_config
+from moeswap.formats.families.phimoe import converter_long_rope
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.formats.vocab_to_gguf import write_vocab
 from moeswap.models.gemma4 import proportional_rope_factors
@@ -52,13 +54,17 @@ def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
     weights = SafetensorsWeights(folder)
     config = weights.config
     writer = gguf.GGUFWriter(out_path, config.arch)
-    _write_metadata(writer, config, read_hf_config(folder), folder, out_type)
+    hf = read_hf_config(folder)
+    _write_metadata(writer, config, hf, folder, out_type)
     n_tokens = write_vocab(writer, folder, config)
 
     # Tensors the reference converter computes from the config (generate_extra_tensors).
     extra = {}
     if config.arch == "gemma4":
         extra["rope_freqs.weight"] = proportional_rope_factors(config.head_dim, config.rope_partial)
+    if config.arch == "phimoe" and (rope := converter_long_rope(hf, folder)).long:
+        extra["rope_factors_long.weight"] = torch.tensor(rope.long, dtype=torch.float32)
+        extra["rope_factors_short.weight"] = torch.tensor(rope.short, dtype=torch.float32)
     plan = []
     for name in [*extra, *weights.names()]:
         shape = list(extra[name].shape) if name in extra else weights.tensor_shape(name)
@@ -137,6 +143,8 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         _write_gemma4(writer, c)
     if c.arch == "glm4moe":
         _write_glm4moe(writer, c, hf)
+    if c.arch == "phimoe":
+        _write_phimoe(writer, c, hf, folder)
     if c.arch == "gpt-oss":
         writer.add_sliding_window(c.sliding_window)
         writer.add_expert_feed_forward_length(c.n_ff_exp)
@@ -227,6 +235,17 @@ def _write_glm4moe(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict) -> None:
         writer.add_expert_weights_norm(c.expert_weights_norm)
     if hf.get("num_nextn_predict_layers") is not None:
         writer.add_nextn_predict_layers(hf["num_nextn_predict_layers"])
+
+
+def _write_phimoe(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: Path) -> None:
+    """PhiMoeModel.set_gguf_parameters: LongRoPE's original context and the converter's own
+    attn_factor (families.phimoe.converter_long_rope)."""
+    rope = converter_long_rope(hf, folder)
+    writer.add_rope_scaling_orig_ctx_len(rope.orig_ctx)
+    writer.add_rope_dimension_count(c.n_rot)
+    writer.add_sliding_window(hf.get("sliding_window") or 0)
+    if rope.attn_factor is not None:
+        writer.add_rope_scaling_attn_factors(rope.attn_factor)
 
 
 def _write_gemma4(writer: gguf.GGUFWriter, c: ModelConfig) -> None:

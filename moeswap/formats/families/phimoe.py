@@ -13,6 +13,8 @@ purpose, and moeswap follows each for its own files (docs/ARCHITECTURES.md):
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +50,32 @@ def hf_fields(hf: dict[str, Any], folder: Path, fields: dict[str, Any]) -> None:
                                "differ; moeswap applies one (Phi-3.5-MoE publishes them equal)")
         fields.update(rope_mscale=float(short),
                       rope_factors=tuple(float(f) for f in rope["short_factor"]))
+
+
+@dataclass(frozen=True)
+class ConverterLongRope:
+    """What llama.cpp's converter (Phi3MiniModel) writes for LongRoPE."""
+
+    orig_ctx: int  # rope.scaling.original_context_length
+    attn_factor: float | None  # rope.scaling.attn_factor; None: no long factors, not written
+    short: tuple[float, ...]  # rope_factors_short.weight
+    long: tuple[float, ...]  # rope_factors_long.weight
+
+
+def converter_long_rope(hf: dict[str, Any], folder: Path) -> ConverterLongRope:
+    """The converter's attn_factor is sqrt(1 + ln(scale) / ln(original)), scale =
+    max_position_embeddings / original context: LongRoPE's default, not the config's mscale."""
+    rope = hf_rope_parameters(hf, "full_attention")
+    orig = int(rope.get("original_max_position_embeddings")
+               or hf["original_max_position_embeddings"])
+    if not rope.get("long_factor"):
+        return ConverterLongRope(orig, None, (), ())
+    if rope.get("rope_type") not in ("longrope", "su"):
+        raise MoeswapError(f"{folder}/config.json: RoPE scaling '{rope.get('rope_type')}' with "
+                           "long_factor is not supported for Phi-3.5-MoE (supported: longrope)")
+    scale = hf["max_position_embeddings"] / orig
+    attn_factor = math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    return ConverterLongRope(orig, attn_factor, tuple(rope["short_factor"]), tuple(rope["long_factor"]))
 
 
 HOOKS = FamilyHooks(gguf_fields=gguf_fields, hf_fields=hf_fields)
