@@ -78,6 +78,7 @@ def test_tool_format_from_the_template():
     assert tool_format("{% if tools %}to=functions.{{ name }}{% endif %}") == HARMONY
     assert tool_format(BUILT_IN["plain"]) == HERMES  # no tools in it: moeswap's prompt
     assert tool_format("{% if tools %}[TOOL_CALLS]{% endif %}") is None  # another convention
+    assert tool_format("{% if tools %}<tool_call>\n<function={{ n }}>{% endif %}") is None  # XML
 
 
 def test_template_input_native_and_in_words():

@@ -21,6 +21,8 @@ _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTAL
 _HARMONY_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _HARMONY_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+# Qwen3-Coder's <function=NAME><parameter=...>, GLM-4.5's <arg_key>/<arg_value>
+_XML_ARGUMENTS = ("<function=", "<arg_key>")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ def tool_format(template_source: str) -> str | None:
     Hermes prompt (moeswap.server.tool_prompts), so it is HERMES too."""
     if "to=functions." in template_source:
         return HARMONY
+    if any(mark in template_source for mark in _XML_ARGUMENTS):
+        return None  # <tool_call> around XML arguments, not JSON
     if "<tool_call>" in template_source or "tools" not in template_source:
         return HERMES
     return None
