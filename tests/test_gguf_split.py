@@ -104,7 +104,7 @@ def test_the_store_opens_one_descriptor_per_piece_at_its_first_read(split_set):
     files = {part.file for layout in layouts for part in layout.parts}
     assert len(files) > 1  # the experts lie in more than one piece
     reader = DiskReader(gf.piece_paths)
-    assert reader.fds == {}
+    assert reader.files == {}
     for layout in layouts:
         slot = np.empty(layout.expert_bytes + 32 * len(layout.parts), dtype=np.uint8)
         for expert in range(layout.n_experts):
@@ -112,7 +112,7 @@ def test_the_store_opens_one_descriptor_per_piece_at_its_first_read(split_set):
             raw = bytes(gf.tensor_bytes(gf.tensor(layout.parts[0].name)))
             size = layout.parts[0].expert_bytes
             assert bytes(slot[:size]) == raw[expert * size:(expert + 1) * size]
-    assert set(reader.fds) == files
+    assert set(reader.files) == files
     reader.close()
     gf.close()
 

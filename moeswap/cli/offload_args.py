@@ -37,7 +37,11 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         f"admit from it instead of reading the file; {', '.join(LOWBIT_TYPES)} "
                         "(counted in the stats; default: off)")
     g.add_argument("--cold-reads", action="store_true",
-                   help="drop read expert bytes from the page cache (for measuring the disk tier)")
+                   help="read experts past the page cache (O_DIRECT, else pread and "
+                        "posix_fadvise DONTNEED): a memory cgroup is then not charged page cache, "
+                        "and the disk tier measures the disk")
+    g.add_argument("--read-depth", type=int, default=4, metavar="N",
+                   help="expert disk reads in flight at once (default 4)")
     # On by default: adaptive prefetch was measured faster over a slow link and within
     # run-to-run noise of off elsewhere (docs/BENCHMARKS.md, "Prefetch measurements").
     g.add_argument("--prefetch", choices=PREDICTORS, default="gate",
@@ -89,13 +93,15 @@ def offload_settings(args, budgets: tuple[int | None, int] | None = None):
         if args.miss_lowbit:  # an approximation must not be asked for and silently skipped
             raise MoeswapError("--miss-lowbit needs the expert store: give --host-mem too")
         return None
+    if args.read_depth < 1:
+        raise MoeswapError(f"--read-depth must be 1 or more, got {args.read_depth}")
     if args.prefetch_depth < 0:
         raise MoeswapError(f"--prefetch-depth must be 0 or more, got {args.prefetch_depth}")
     import torch
 
     return OffloadSettings(
         host_bytes=host, device_bytes=device, policy=args.policy, miss=args.miss,
-        threshold=args.expert_threshold, cold_reads=args.cold_reads,
+        threshold=args.expert_threshold, cold_reads=args.cold_reads, read_depth=args.read_depth,
         device_backend="cuda" if device and torch.cuda.is_available() else "ram",
         prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit)
 

@@ -25,10 +25,12 @@ import numpy as np
 from moeswap.errors import MoeswapError
 from moeswap.experts.cost import MissPlanner, Rates
 from moeswap.experts.device import DEVICE_TYPES, TorchDeviceSlots, device_type_names
+from moeswap.experts.disk_reads import ParallelReads
 from moeswap.experts.guesses import HostGuesses, reserved_slots
 from moeswap.experts.lowbit import LowBitCopies
 from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.stats import LayerStats
+from moeswap.experts.step_reads import StepReads
 from moeswap.experts.tiers import DiskReader, SlotPool
 from moeswap.formats.config import ModelConfig
 from moeswap.formats.gguf_file import GGUFFile
@@ -53,10 +55,12 @@ class Residency:
         # Disk reads that no tier admits land in a ring of staging slots, one per pick of a token.
         self.staging = SlotPool("staging", max(config.n_expert_used, 1), slot_size)
         self._ring_next = 0
+        self.disk = DiskReader(gguf.piece_paths, cold=settings.cold_reads)
+        self.reads = ParallelReads(self.disk, settings.read_depth)
         # an approximation (moeswap.experts.lowbit): its copies are charged to the host budget
         self.lowbit = (LowBitCopies(gguf, layouts, settings.miss_lowbit)
                        if settings.miss_lowbit else None)
-        paid = (config, shared_bytes, self.staging.nbytes,
+        paid = (config, shared_bytes, self.staging.nbytes + self.reads.bounce_bytes,
                 self.lowbit.nbytes if self.lowbit is not None else 0)
         self.charge, charged = charge.terms(*paid), charge.bytes(*paid)
         if settings.host_bytes < charged:
@@ -87,7 +91,10 @@ class Residency:
                 config.n_expert_used, layers, layouts[layers[0]].n_experts, str(gguf.path),
                 held_faster)
         self.slots: dict[str, dict[Key, int]] = {"device": {}, "host": {}}
-        self.disk = DiskReader(gguf.piece_paths, cold=settings.cold_reads)
+        # With no device slots a step's misses are read while its other experts compute
+        # (moeswap.experts.step_reads); a device transfer needs the bytes at once.
+        self.overlapped = not self.pools["device"].n_slots
+        self.step = StepReads(self)
         self.planner = MissPlanner(settings.miss, rates or CPU_ONLY_RATES)
         self.layer_stats = {i: LayerStats() for i in layers}
         self.guesses: HostGuesses | None = None  # prefetched, in host slots, not yet used
@@ -123,6 +130,8 @@ class Residency:
             host.access(key)
             stats.host_hits += 1
             source = ("host", self.slots["host"][key])
+            if key in self.step.unfilled:  # its read failed in an earlier step
+                self.step.read_into_host(key, source[1], stats)
         elif self.guesses is not None and key in self.guesses:
             source = ("host", self._use_guess(key, stats))
         else:
@@ -133,11 +142,17 @@ class Residency:
                 stats.computed_in_place += 1
                 return self.lowbit.serve(key)
             stats.disk_misses += 1
-            source = ("staging", self.read_from_disk(key, stats))
             if admitted:
                 if self.guesses is not None and not self.pools["host"].n_free:
                     self.guesses.make_room(self.step_keys)  # unused guesses go first
-                source = ("host", self.load("host", key, self.slot_array(*source)))
+                source = ("host", self.pools["host"].take(key))
+                self.slots["host"][key] = source[1]
+                self.step.read_into_host(key, source[1], stats)
+            elif self.overlapped:  # read by the store's passes (moeswap.experts.step_reads)
+                stats.computed_in_place += 1
+                return "queued", expert
+            else:
+                source = ("staging", self.read_from_disk(key, stats))
         if self.pools["device"].n_slots and \
                 self.planner.choose(self.layouts[layer].expert_bytes, n_tokens) == "transfer":
             step = device.access(key)

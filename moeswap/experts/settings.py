@@ -21,7 +21,10 @@ class OffloadSettings:
     policy: str = "lru"
     miss: str = "auto"
     threshold: float = 0.0  # --expert-threshold: drop picks weighted under it (approximation)
-    cold_reads: bool = False  # drop read bytes from the page cache (for measurements)
+    cold_reads: bool = False  # read past the page cache (O_DIRECT, else pread + DONTNEED)
+    # --read-depth: disk reads in flight at once (moeswap.experts.disk_reads); 4 keeps an NVMe
+    # drive's queue busy with megabyte reads and leaves the cores to the kernels
+    read_depth: int = 4
     # "ram": device slots are RAM computed by the CPU kernels (a CPU-only machine's device form);
     # a torch device ("cuda", or "cpu" to test that path): slots there, products computed there.
     device_backend: str = "ram"

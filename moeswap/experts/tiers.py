@@ -5,22 +5,24 @@ expert of the model in its stored (quantized) form: all of its pieces (gate and 
 gate_up, down, biases) at 32-byte-aligned offsets, which ggml requires of weights. Pools never
 grow or shrink, so there is no allocator churn per token and no fragmentation.
 
-``DiskReader`` reads an expert's pieces from the model file with ``pread`` into a slot; for a
-split set, from whichever file of the set holds each piece (one descriptor per file, opened at
-its first read).
-With ``cold=True`` it drops what it read from the page cache (``posix_fadvise DONTNEED``), so
-that measured disk reads are disk reads and not RAM copies; budgets never count the page cache.
+``DiskReader`` reads an expert's pieces from the model file into a slot; for a split set, from
+whichever file of the set holds each piece (each file opened at its first read).
+With ``cold=True`` its reads bypass the page cache (``O_DIRECT``, else ``pread`` and
+``posix_fadvise DONTNEED``: moeswap.experts.direct_io), so that disk reads are disk reads and
+not RAM copies, and a memory cgroup is not charged page cache that budgets never count.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from moeswap.errors import MoeswapError
+from moeswap.experts.direct_io import ModelFile, ShortRead
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
 ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
@@ -98,6 +100,7 @@ class SlotPool(FreeSlots):
 class ReadStats:
     bytes: int = 0
     seconds: float = 0.0
+    reads: int = 0  # pieces read
 
 
 Paths = list[str | os.PathLike]  # the model's files: one, or a split set's pieces in order
@@ -120,45 +123,42 @@ def check_inside_file(paths: Paths, layouts: list[ExpertLayout]) -> None:
 
 
 class DiskReader:
-    """Reads experts' pieces from the model's files into slots, with ``pread``."""
+    """Reads experts' pieces from the model's files into slots (moeswap.experts.direct_io);
+    safe to call from several threads at once."""
 
     def __init__(self, paths: Paths, cold: bool = False):
         self.paths = list(paths)
-        self.fds: dict[int, int] = {}  # file index -> descriptor, opened at its first read
-        self.cold = cold and hasattr(os, "posix_fadvise")
+        self.cold = cold
+        self.files: dict[int, ModelFile] = {}  # file index -> opened at its first read
         self.stats = ReadStats()
+        self.lock = threading.Lock()  # guards stats and files
 
     def read_expert(self, layout: ExpertLayout, expert: int, slot: np.ndarray) -> None:
+        """Read the expert's pieces to their offsets in ``slot``."""
         started = time.perf_counter()
-        for part, offset in zip(layout.parts, piece_offsets(layout)):
-            start = part.data_start + expert * part.expert_bytes
-            fd = self._fd(part.file)
-            self._read_into(fd, slot[offset:offset + part.expert_bytes], start, part)
-            if self.cold:
-                os.posix_fadvise(fd, start, part.expert_bytes, os.POSIX_FADV_DONTNEED)
+        for _, part, target in slot_pieces(layout, slot):
+            self.read_piece(part, expert, target)
+        with self.lock:
+            self.stats.seconds += time.perf_counter() - started
+
+    def read_piece(self, part: ExpertPart, expert: int, target: np.ndarray) -> None:
+        start = part.data_start + expert * part.expert_bytes
+        try:
+            self._file(part.file).read(target, start)
+        except ShortRead:
+            raise truncated(self.paths[part.file], part, start, start + part.expert_bytes) \
+                from None
+        with self.lock:
             self.stats.bytes += part.expert_bytes
-        self.stats.seconds += time.perf_counter() - started
+            self.stats.reads += 1
 
-    def _fd(self, file: int) -> int:
-        if file not in self.fds:
-            self.fds[file] = os.open(self.paths[file], os.O_RDONLY)
-        return self.fds[file]
-
-    def _read_into(self, fd: int, target: np.ndarray, offset: int, part: ExpertPart) -> None:
-        view = memoryview(target)
-        done = 0
-        while done < len(view):
-            if hasattr(os, "preadv"):
-                n = os.preadv(fd, [view[done:]], offset + done)
-            else:  # platforms without preadv: one copy more
-                chunk = os.pread(fd, len(view) - done, offset + done)
-                n = len(chunk)
-                view[done:done + n] = chunk
-            if n == 0:
-                raise truncated(self.paths[part.file], part, offset, offset + len(view))
-            done += n
+    def _file(self, file: int) -> ModelFile:
+        with self.lock:
+            if file not in self.files:
+                self.files[file] = ModelFile(self.paths[file], self.cold)
+            return self.files[file]
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        for opened in self.files.values():
+            opened.close()
+        self.files.clear()

@@ -1,0 +1,139 @@
+"""One layer step's disk reads, overlapped with its compute, each expert's bytes read once.
+
+``Residency.serve`` decides tiers for every expert of the step before any is computed, and
+starts the reads of misses a host slot admits, straight into that slot (``read_into_host``).
+A miss no tier admits is only queued (place ``("queued", expert)``): it is read into the
+staging ring by the store's passes. The store then walks
+
+1. ``first_pass``: experts whose bytes are in first (hits), then each miss as its read lands,
+   so the resident experts compute while the misses are read;
+2. ``second_pass``: the same for the down projections.
+
+No expert is read twice in a step. When the step's misses fit the ring, a staged expert is
+read whole in the first pass and its slot kept for the second. When more misses than ring
+slots come (prefill with small budgets), the ring streams: the first pass reads every piece
+but the down matrix, a slot taking the next queued expert as soon as its expert's gate/up
+products are done, and the second pass reads the down matrices the same way, while the
+experts held in slots compute their down products.
+
+With device slots (``Residency.overlapped`` false) a transfer needs the bytes at once, so
+serve reads synchronously as before and the passes only hand the places back.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+
+from moeswap.experts.disk_reads import ExpertRead
+from moeswap.experts.stats import LayerStats
+from moeswap.models.quant_experts import ExpertPart
+
+Key = tuple[int, int]  # (layer, expert)
+Place = tuple[str, int]  # (pool name, slot)
+
+
+class StepReads:
+    def __init__(self, residency):
+        """residency: the moeswap.experts.residency.Residency whose slots and reads these are."""
+        self.r = residency
+        self.layer = -1
+        self.split = False  # this step streams its staged misses through the ring
+        self.pending: dict[Place, ExpertRead] = {}  # host slots being filled for this step
+        self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
+        self._landed: queue.SimpleQueue[ExpertRead] = queue.SimpleQueue()
+
+    def start(self, layer: int, experts: list[int]) -> None:
+        r = self.r
+        self.layer, self.pending = layer, {}
+        r.step_keys = {(layer, e) for e in experts}
+        misses = sum(not r.holds(key) for key in r.step_keys)
+        self.split = r.overlapped and misses > r.staging.n_slots
+
+    def read_into_host(self, key: Key, index: int, stats: LayerStats) -> None:
+        """A miss admitted to host slot ``index``: its read starts (overlapped) or runs now."""
+        r = self.r
+        layout, slot = r.layouts[key[0]], r.pools["host"].slot(index)
+        stats.disk_bytes += layout.expert_bytes
+        self.unfilled.discard(key)
+        if r.overlapped:
+            self.pending["host", index] = r.reads.submit(layout, key[1], slot, None,
+                                                         self._landed.put)
+            return
+        before = r.disk.stats.seconds
+        r.disk.read_expert(layout, key[1], slot)
+        stats.stall_seconds += r.disk.stats.seconds - before
+
+    def first_pass(self, requests: list[tuple[int, int]], stats: LayerStats):
+        """Serve each (expert, tokens picking it) -> (expert, place) for gate/up: held experts
+        first, then misses as they land. Without overlap each is served as it is computed (a
+        later miss may take a ring or device slot an earlier one used)."""
+        serve = self.r.serve
+        if not self.r.overlapped:
+            for expert, n_tokens in requests:
+                stats.requests += 1
+                yield expert, serve(self.layer, expert, n_tokens, stats)
+            return
+        waiting: dict[ExpertRead, tuple[int, Place]] = {}
+        staged = []
+        places = []
+        for expert, n_tokens in requests:
+            stats.requests += 1
+            places.append((expert, serve(self.layer, expert, n_tokens, stats)))
+        for expert, place in places:
+            read = self.pending.pop(place, None)
+            if read is not None:
+                waiting[read] = expert, place
+            elif place[0] == "queued":
+                staged.append(expert)
+            else:
+                yield expert, place
+        layout = self.r.layouts[self.layer]
+        parts = [p for p in layout.parts if p != layout.matrices["down"]] if self.split else None
+        yield from self._stream(waiting, staged, parts, stats)
+
+    def second_pass(self, places: dict[int, Place], stats: LayerStats):
+        """-> (expert, place) for the down products; streamed misses' down matrices as they
+        land, after the experts held in slots."""
+        staged = []
+        for expert, place in list(places.items()):
+            if self.split and place[0] == "staging":
+                staged.append(expert)
+            else:
+                yield expert, self.r.still_held((self.layer, expert), place, stats)
+        yield from self._stream({}, staged, [self.r.layouts[self.layer].matrices["down"]], stats)
+
+    def _stream(self, waiting: dict[ExpertRead, tuple[int, Place]], staged: list[int],
+                parts: list[ExpertPart] | None, stats: LayerStats):
+        """Read ``staged`` experts' ``parts`` through the ring while ``waiting`` reads land;
+        yield each expert once its bytes are in."""
+        r, layer = self.r, self.layer
+        free, queued = deque(range(r.staging.n_slots)), deque(staged)
+        try:
+            while queued or waiting:
+                while queued and free:
+                    index, expert = free.popleft(), queued.popleft()
+                    r.staging.holder[index] = (layer, expert)
+                    read = r.reads.submit(r.layouts[layer], expert, r.staging.slot(index), parts,
+                                          self._landed.put)
+                    stats.disk_bytes += read.n_bytes
+                    waiting[read] = expert, ("staging", index)
+                started = time.perf_counter()
+                read = self._landed.get()
+                stats.stall_seconds += time.perf_counter() - started
+                if read not in waiting:  # left over from a step an error cut short
+                    continue
+                expert, place = waiting.pop(read)
+                try:
+                    read.result()
+                except BaseException:
+                    if place[0] == "host":
+                        self.unfilled.add((layer, expert))
+                    raise
+                yield expert, place
+                if self.split and place[0] == "staging":
+                    free.append(place[1])  # its products are done: the next miss may land
+        finally:  # an error or an abandoned step: no read may still write into a slot
+            for read in waiting:
+                read.wait()

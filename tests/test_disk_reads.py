@@ -1,0 +1,212 @@
+"""The miss path's reads: O_DIRECT with aligned bounce edges, its per-file fallback, several reads
+in flight, each expert read once per step, misses computed after the step's held experts."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+import tiny_models
+import torch
+
+from moeswap.errors import MoeswapError
+from moeswap.experts.build import build_store
+from moeswap.experts.direct_io import BOUNCE_BYTES, DIRECT_ALIGNMENT, ModelFile
+from moeswap.experts.disk_reads import ParallelReads
+from moeswap.experts.settings import OffloadSettings
+from moeswap.experts.store import shared_bytes
+from moeswap.experts.tiers import DiskReader, slot_bytes
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
+from moeswap.gguf_tools.convert import convert
+from moeswap.models.loader import load_model
+from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
+
+PROMPT = torch.randint(0, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reads") / "data.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 3 * BOUNCE_BYTES + 777,
+                                                       dtype=np.uint8).tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixtral_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mixtral")
+    tiny_models.save("mixtral", folder / "hf")
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+def target_at(n_bytes: int, misalign: int) -> np.ndarray:
+    """A byte buffer whose address is ``misalign`` past a DIRECT_ALIGNMENT boundary."""
+    spare = np.zeros(n_bytes + 2 * DIRECT_ALIGNMENT, dtype=np.uint8)
+    start = -spare.ctypes.data % DIRECT_ALIGNMENT + misalign
+    return spare[start:start + n_bytes]
+
+
+RANGES = [(0, 4096), (1, 10), (4095, 2), (100, 2 * BOUNCE_BYTES + 5000),
+          (BOUNCE_BYTES - 3, 9000), (3 * BOUNCE_BYTES, 777)]
+
+
+@pytest.mark.parametrize("misalign", [0, 32, 100])
+def test_cold_reads_return_the_files_bytes_at_any_offset_and_address(data_file, misalign):
+    data = np.fromfile(data_file, dtype=np.uint8)
+    opened = ModelFile(data_file, cold=True)
+    for offset, n in RANGES:
+        # congruent address and offset: the aligned middle goes straight in; else bounced
+        target = target_at(n, (offset + misalign) % DIRECT_ALIGNMENT)
+        opened.read(target, offset)
+        assert np.array_equal(target, data[offset:offset + n]), (offset, n)
+    opened.close()
+
+
+def test_a_filesystem_refusing_o_direct_falls_back_to_dropped_preads(data_file, monkeypatch):
+    real_open, dropped = os.open, []
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, at, n, advice: dropped.append((at, n)))
+    opened = ModelFile(data_file, cold=True)
+    assert not opened.direct
+    target = target_at(5000, 7)
+    opened.read(target, 123)
+    assert np.array_equal(target, np.fromfile(data_file, dtype=np.uint8)[123:5123])
+    assert dropped == [(123, 5000)]
+    opened.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_o_direct_refused_at_the_first_read_switches_that_file_to_preads(data_file, monkeypatch):
+    opened = ModelFile(data_file, cold=True)
+    if not opened.direct:  # this filesystem refused it at open: the test above covers that
+        opened.close()
+        return
+    real_preadv, refused_fd = os.preadv, opened.direct_fd
+
+    def refuse(fd, buffers, offset):
+        if fd == refused_fd:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refuse)
+    target = target_at(9000, 0)
+    opened.read(target, 4096)
+    assert not opened.direct
+    assert np.array_equal(target, np.fromfile(data_file, dtype=np.uint8)[4096:13096])
+    opened.close()
+
+
+def test_reads_run_depth_at_once_and_land_in_their_slots(mixtral_file):
+    gguf = GGUFFile.open(mixtral_file)
+    layout = ExpertLayout.from_file(gguf, config_from_gguf(gguf).moe_layers[0])
+    disk = DiskReader(gguf.piece_paths, cold=True)
+    reads = ParallelReads(disk, depth=3)
+    together = threading.Barrier(3, timeout=60)  # passes only with three reads running at once
+    read_piece = disk.read_piece
+    disk.read_piece = lambda *args: (together.wait(), read_piece(*args))
+    size = slot_bytes([layout])
+    slots = [np.zeros(size, dtype=np.uint8) for _ in range(layout.n_experts)]
+    submitted = [reads.submit(layout, expert, slots[expert], None, lambda _: None)
+                 for expert in range(3)]  # 3 experts x 3 pieces: three rounds of three at once
+    for read in submitted:
+        read.result()
+    reference = DiskReader(gguf.piece_paths)
+    for expert in range(3):
+        expected = np.zeros(size, dtype=np.uint8)
+        reference.read_expert(layout, expert, expected)
+        assert np.array_equal(slots[expert], expected)
+    assert disk.stats.reads == 9 and disk.stats.bytes == 3 * layout.expert_bytes
+    reads.close()
+    reference.close()
+    disk.close()
+
+
+def test_a_short_read_in_flight_names_the_file_and_tensor(mixtral_file, tmp_path):
+    gguf = GGUFFile.open(mixtral_file)
+    last = max((t for t in gguf.tensors if "_exps" in t.name), key=lambda t: t.data_end)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(mixtral_file.read_bytes()[:last.data_start + last.n_bytes // 2])
+    layout = ExpertLayout.from_file(gguf, int(last.name.split(".")[1]))
+    reads = ParallelReads(DiskReader([cut], cold=True), depth=2)
+    read = reads.submit(layout, layout.n_experts - 1, np.zeros(slot_bytes([layout]), np.uint8),
+                        None, lambda _: None)
+    with pytest.raises(MoeswapError, match=rf"^{cut}: the file ends before bytes \d+-\d+ of "
+                                           rf"tensor '{last.name}'; it is truncated"):
+        read.result()
+    reads.close()
+
+
+def store_model(path, host_slots: int, **options):
+    gguf = GGUFFile.open(path)
+    config = config_from_gguf(gguf)
+    slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in config.moe_layers])
+    settings = OffloadSettings(host_bytes=0, **options)
+    fixed = shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot
+    fixed += (settings.read_depth + 2) * BOUNCE_BYTES if settings.cold_reads else 0
+    factory = build_store(OffloadSettings(host_bytes=fixed + host_slots * slot, **options))
+    return load_model(path, threads=1, expert_runner=factory), factory
+
+
+def logits(model) -> torch.Tensor:
+    cache = model.new_cache()
+    parts = [model.forward([PROMPT[:8]], [cache])[0]]
+    parts += [model.forward([PROMPT[i:i + 1]], [cache])[0] for i in range(8, 12)]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("host_slots", [0, 3])
+def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, host_slots):
+    expected = logits(load_model(mixtral_file, threads=1, expert_runner=QuantResidentExperts))
+    model, factory = store_model(mixtral_file, host_slots, cold_reads=True, prefetch="off")
+    r = factory.store.residency
+    seen, twice, steps = set(), [], []
+    read_piece, start = r.disk.read_piece, r.step.start
+
+    def counted(part, expert, target):
+        twice.extend([(part.name, expert)] if (part.name, expert) in seen else [])
+        seen.add((part.name, expert))
+        read_piece(part, expert, target)
+
+    def new_step(layer, experts):
+        seen.clear()
+        steps.append(len(experts) > r.staging.n_slots)
+        start(layer, experts)
+
+    r.disk.read_piece, r.step.start = counted, new_step
+    assert torch.equal(logits(model), expected)
+    assert not twice
+    assert any(steps)  # the prefill had more misses than ring slots: streamed
+    total = factory.stats()["total"]
+    assert total["refetches"] == 0 and total["disk_misses"] > 0
+
+
+def test_held_experts_compute_while_the_steps_misses_are_read(mixtral_file):
+    model, factory = store_model(mixtral_file, 3, cold_reads=True, prefetch="off")
+    logits(model)  # fills the host slots: 3 of 8 experts, so some layer holds some, not all
+    r = factory.store.residency
+    layer = next(i for i in r.layouts if 0 < sum(k[0] == i for k in r.slots["host"]) < 4)
+    held = sorted(e for (i, e) in r.slots["host"] if i == layer)
+    missing = sorted(set(range(r.layouts[layer].n_experts)) - set(held))
+    release = threading.Event()
+    read_piece = r.disk.read_piece
+    r.disk.read_piece = lambda *args: (release.wait(60), read_piece(*args))
+    r.step.start(layer, [held[0], missing[0]])
+    stats = r.layer_stats[layer]
+    passes = r.step.first_pass([(missing[0], 1), (held[0], 1)], stats)
+    first = next(passes)
+    assert first == (held[0], ("host", r.slots["host"][layer, held[0]]))  # its read still waits
+    release.set()
+    rest = list(passes)
+    assert [e for e, _ in rest] == [missing[0]]
+    down = r.step.second_pass(dict([first, *rest]), stats)
+    assert sorted(e for e, _ in down) == sorted([held[0], missing[0]])
