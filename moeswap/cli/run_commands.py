@@ -126,10 +126,14 @@ def auto_budgets(args, model_path, context: int, console, step_tokens: int,
 
 
 def save_trace(recorder, runtime, model_path, out_path) -> None:
+    """Written beside ``out_path`` and renamed over it: a failed write (a full disk, SIGTERM)
+    leaves an existing trace as it was (formats.atomic_file)."""
+    from moeswap.formats.atomic_file import atomic_output
     from moeswap.routing.traces import model_name
 
     config = runtime.config
     trace = recorder.trace(model=model_name(model_path, runtime.model.source), arch=config.arch,
                            layers=config.moe_layers, n_experts=config.n_expert,
                            k=config.n_expert_used, source=f"moeswap run of {model_path}")
-    trace.save(out_path)
+    with atomic_output(out_path, "the trace") as tmp:
+        trace.save(tmp)

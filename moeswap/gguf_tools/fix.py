@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +35,7 @@ from moeswap.formats.gguf_file import (
 from moeswap.formats.gguf_moe import (
     ARCH_KEY_TYPES, MoEView, arch_key, canonical_alias,
 )
+from moeswap.formats.atomic_file import remove_stale_temps, temp_path, terminate_as_interrupt
 from moeswap.formats.file_checks import same_record_value, split_expert_groups
 from moeswap.formats.validation import ERROR, Finding, check
 from moeswap.gguf_tools.doctor import Report, diagnose
@@ -430,31 +430,37 @@ def fix_file(src: str | os.PathLike, out: str | os.PathLike, assignments: list[s
 
 
 def _write_atomically(p: FixPlan, outs: list[Path], on_progress) -> Report:
-    """Every file to a temporary name, fsynced; the whole output checked; then renamed."""
+    """Every file to a temporary name (formats.atomic_file's: removed on failure and SIGTERM,
+    and by the next fix when a kill left it), fsynced; the whole output checked; then renamed."""
     tmps: list[Path] = []
-    try:
-        for file, out in zip(p.files, outs):
-            fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-            tmps.append(Path(tmp_name))
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    _write(p.source, file, f, on_progress)
-                    f.flush()
-                    os.fsync(f.fileno())
-            except OSError as e:
-                raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); "
-                                   "nothing written") from None
-            shutil.copymode(file.source.path, tmps[-1])
-        report = _diagnose_written(tmps, outs[0])
-        errors = [f for f in report.findings if f.severity == ERROR]
-        if errors:
-            raise _refusal(str(outs[0]), errors)
-        for tmp, out in zip(tmps, outs):
-            os.replace(tmp, out)
-        return report
-    finally:
-        for tmp in tmps:
-            tmp.unlink(missing_ok=True)
+    with terminate_as_interrupt():
+        try:
+            return _write_checked(p, outs, tmps, on_progress)
+        finally:
+            for tmp in tmps:
+                tmp.unlink(missing_ok=True)
+
+
+def _write_checked(p: FixPlan, outs: list[Path], tmps: list[Path], on_progress) -> Report:
+    for file, out in zip(p.files, outs):
+        remove_stale_temps(out)
+        tmps.append(temp_path(out))
+        try:
+            with open(tmps[-1], "wb") as f:
+                _write(p.source, file, f, on_progress)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise MoeswapError(f"{out}: cannot write ({e.strerror or e}); "
+                               "nothing written") from None
+        shutil.copymode(file.source.path, tmps[-1])
+    report = _diagnose_written(tmps, outs[0])
+    errors = [f for f in report.findings if f.severity == ERROR]
+    if errors:
+        raise _refusal(str(outs[0]), errors)
+    for tmp, out in zip(tmps, outs):
+        os.replace(tmp, out)
+    return report
 
 
 def _diagnose_written(tmps: list[Path], first: Path) -> Report:
