@@ -59,3 +59,18 @@ def test_force_runs_and_nan_logits_stop_generation(files, capsys):
     assert main(["run", str(path), "-p", "def", "-n", "2", "--temp", "0", "--force"]) == 2
     err = capsys.readouterr().err
     assert "NaN or infinite logits" in err and "Traceback" not in err
+
+
+def test_valid_per_layer_arrays_still_load(built_in, tmp_path, capsys):
+    """Keys llama.cpp reads with get_key_or_arr may be one value per layer."""
+    from corrupt_builders import A
+    from gguf import GGUFValueType as T
+
+    def per_layer(contents):
+        for key, value in (("attention.head_count", 8), ("attention.head_count_kv", 4),
+                           ("expert_used_count", 2), ("feed_forward_length", 256)):
+            contents.kv[f"{A}.{key}"] = ([value] * 6, T.ARRAY, T.UINT32)
+
+    path = Corruption("per_layer_arrays", frozenset(), edit=per_layer).build(tmp_path, built_in)
+    assert diagnose(path).findings == []
+    assert main(["run", str(path), "-p", "def", "-n", "2", "--temp", "0"]) == 0

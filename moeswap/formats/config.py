@@ -218,7 +218,8 @@ class ModelConfig:
 _ONE_PER_MODEL = {"n_head_kv_swa": "attention.head_count_kv (sliding)",
                   "n_head_kv": "attention.head_count_kv",
                   "n_ff": "feed_forward_length",
-                  "n_ff_exp": "expert_feed_forward_length"}
+                  "n_ff_exp": "expert_feed_forward_length",
+                  "n_expert_used": "expert_used_count"}
 
 
 def config_from_gguf(gguf_file: Any) -> ModelConfig:
@@ -277,7 +278,7 @@ def config_from_gguf(gguf_file: Any) -> ModelConfig:
         yarn=yarn,
         rope_base_swa=float(key("rope.freq_base_swa", 10000.0)),
         n_expert=int(key("expert_count", 0)),
-        n_expert_used=int(key("expert_used_count", 0)),
+        n_expert_used=key("expert_used_count", 0),  # a per-layer array in llama.cpp too
         n_ff_exp=key("expert_feed_forward_length", 0),
         n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)),
         expert_weights_norm=key("expert_weights_norm"),
