@@ -118,7 +118,8 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
     mxfp4_folder = gguf is None and any(
         weights.is_mxfp4(f"blk.{i}.ffn_down_exps.weight") for i in moe_layers)
     kernels = CpuKernels(threads) if gguf is not None or mxfp4_folder else None
-    bound = BoundWeights(weights, gguf, kernels, verbose_log)
+    # with the offload store the shared weights leave the mapped file (BoundWeights, anonymous)
+    bound = BoundWeights(weights, gguf, kernels, verbose_log, anonymous=expert_runner is not None)
     experts: Any
     if mxfp4_folder:
         experts = FolderMxfp4Experts(weights, kernels, moe_layers, config.expert_act)

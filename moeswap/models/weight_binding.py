@@ -5,12 +5,19 @@ to whatever computes them best.
 (the stored bytes are computed on directly; no float32 copy is made) and a ``TorchLinear``
 otherwise (HF folders; F32 GGUF tensors, which are zero-copy views of the mapped file).
 ``tensor(name)`` stays for the small float tensors (norms, routers, biases).
+
+With ``anonymous`` (a model whose routed experts the offload store holds) every shared weight
+is copied out of the mapped file into anonymous memory as it is bound: the store charges them
+to ``--host-mem`` already, and there the page cache cannot evict them under memory pressure
+(a cgroup reclaiming a mapped page makes the next token read it again), nor can a model file
+truncated under a running process fault inside shared-weight compute.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -19,15 +26,19 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.linear import (QuantEmbedding, QuantHeads, QuantLinear, TorchEmbedding,
                                    TorchHeads, TorchLinear)
 from moeswap.quant import CpuKernels
+from moeswap.quant.kernels import _aligned_copy
 
 
 class BoundWeights:
     def __init__(self, weights: Any, gguf: GGUFFile | None = None,
-                 kernels: CpuKernels | None = None, log: Callable[[str], None] | None = None):
+                 kernels: CpuKernels | None = None, log: Callable[[str], None] | None = None,
+                 anonymous: bool = False):
         self.weights = weights  # the float-tensor source (GGUFWeights or SafetensorsWeights)
         self.gguf = gguf  # set for .gguf files: their quantized tensors go to the kernels
         self.kernels = kernels
         self.log = log
+        self.anonymous = anonymous  # copy mapped weights into anonymous memory
+        self._copies: dict[str, np.ndarray] = {}  # tensor name -> its bytes' copy
         self._floats: dict[str, torch.Tensor] = {}  # a tied table serves embedding and output once
 
     def _float(self, name: str) -> torch.Tensor:
@@ -40,7 +51,18 @@ class BoundWeights:
 
     def tensor(self, name: str) -> torch.Tensor:
         self._report(name)
-        return self.weights.tensor(name)
+        t = self.weights.tensor(name)
+        return t.clone() if self.anonymous and self.weights.describe(name).zero_copy else t
+
+    def _stored_bytes(self, info):
+        """A quantized tensor's bytes: the mapped file's, or a copy (``anonymous``; a table
+        tied as embedding and output head is copied once)."""
+        raw = self.gguf.tensor_bytes(info)
+        if not self.anonymous:
+            return raw
+        if info.name not in self._copies:
+            self._copies[info.name] = _aligned_copy(np.frombuffer(raw, dtype=np.uint8))
+        return self._copies[info.name]
 
     def vector(self, name: str, length: int) -> torch.Tensor:
         """The tensor ``name`` as a vector [length]. Leading sizes of 1 are dropped, as llama.cpp's
@@ -73,7 +95,7 @@ class BoundWeights:
         if info is None:
             return TorchLinear(self._float(name), b)
         self._report(name, quantized=True)
-        return QuantLinear(self.kernels.matrix(self.gguf.tensor_bytes(info), info.type_id,
+        return QuantLinear(self.kernels.matrix(self._stored_bytes(info), info.type_id,
                                                tuple(info.shape), name), b)
 
     def heads(self, name: str) -> TorchHeads | QuantHeads:
@@ -82,7 +104,7 @@ class BoundWeights:
         if info is None:
             return TorchHeads(self._float(name))
         self._report(name, quantized=True)
-        return QuantHeads(self.kernels.experts(self.gguf.tensor_bytes(info), info.type_id,
+        return QuantHeads(self.kernels.experts(self._stored_bytes(info), info.type_id,
                                                tuple(info.shape), name))
 
     def embedding(self, name: str) -> TorchEmbedding | QuantEmbedding:
@@ -90,7 +112,7 @@ class BoundWeights:
         if info is None:
             return TorchEmbedding(self._float(name))
         self._report(name, quantized=True)
-        return QuantEmbedding(self.gguf.tensor_bytes(info), info.type_id, tuple(info.shape))
+        return QuantEmbedding(self._stored_bytes(info), info.type_id, tuple(info.shape))
 
     def _stored_quantized(self, name: str):
         """The GGUF tensor info when ``name`` is a matrix to compute from its stored bytes."""
@@ -105,9 +127,11 @@ class BoundWeights:
         if self.log is None:
             return
         d = self.weights.describe(name)
+        mapped = "RAM (copied from the file)" if self.anonymous else "mapped file"
         if quantized:
-            where = "mapped file (computed by kernels)"
+            where = f"{mapped} (computed by kernels)"
         else:
-            where = "mapped file (zero-copy)" if d.zero_copy else "RAM (float32)"
+            where = f"{mapped} (zero-copy)" if d.zero_copy and not self.anonymous \
+                else "RAM (float32)"
         shape = "x".join(str(n) for n in d.shape)
         self.log(f"{name}{note}  {shape}  {d.type_name}  {where}  from {d.location}")
