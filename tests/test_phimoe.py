@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -207,6 +209,38 @@ def test_tools_and_store_know_the_family(files):
 
     start = PROMPT.tolist()
     assert greedy(next_logits(model), start, 6) == greedy(next_logits(resident_model), start, 6)
+
+
+@pytest.mark.parametrize(("name", "ne", "shown"), [
+    ("rope_factors_long.weight", (4,), "expected [8]"),
+    ("blk.1.ffn_norm.bias", (32,), "expected [64]")])
+def test_a_file_moeswap_cannot_run_is_one_line(files, tmp_path, capsys, name, ne, shown):
+    """Not a torch traceback from the middle of a forward: the tensor's name, exit 2; with
+    --force too (past the file checks: the family's own shape checks)."""
+    from moeswap.cli import main
+    from test_official_converter_files import tensor_info_offset
+
+    data = bytearray(files[3]["f32"].read_bytes())
+    struct.pack_into("<" + "Q" * len(ne), data, tensor_info_offset(bytes(data), name) + 4, *ne)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(bytes(data))
+    assert main(["run", str(broken), "--force", "-p", "hello", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'{name}'" in err[0] and shown in err[0], err
+
+
+def test_a_folder_whose_mscales_differ_is_one_line(files, tmp_path, capsys):
+    """transformers would switch mscale per forward; moeswap refuses it by name, exit 2."""
+    from moeswap.cli import main
+
+    folder = tmp_path / "hf"
+    shutil.copytree(files[2], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"]["long_mscale"] = 1.1
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["run", str(folder), "-p", "hello", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "long_mscale 1.1" in err[0], err
 
 
 @pytest.mark.parametrize("out_type", ["f32", "q8_0"])

@@ -101,9 +101,9 @@ def long_rope(config: ModelConfig, weights: Any) -> LongRope:
         return Rope(config.n_rot, config.rope_base, config.rope_scale, config.rope_neox, factors,
                     mscale=config.rope_mscale)
 
-    if weights.has("rope_factors_short.weight"):
-        short = weights.tensor("rope_factors_short.weight")
-        long = weights.tensor("rope_factors_long.weight")
+    if weights.has("rope_factors_short.weight"):  # one factor per rotated pair
+        short = weights.vector("rope_factors_short.weight", config.n_rot // 2)
+        long = weights.vector("rope_factors_long.weight", config.n_rot // 2)
     else:
         short = long = torch.tensor(config.rope_factors) if config.rope_factors else None
     return LongRope(rope(short), rope(long), config.rope_orig_ctx)
@@ -112,8 +112,9 @@ def long_rope(config: ModelConfig, weights: Any) -> LongRope:
 def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
           recorder: DecisionRecorder | None = None) -> PhimoeLM:
     def norm(name: str) -> BiasedNorm:
-        return BiasedNorm(weights.tensor(f"{name}.weight"), weights.tensor(f"{name}.bias"),
-                          config.rms_eps, config.layer_norm)
+        return BiasedNorm(weights.tensor(f"{name}.weight"),
+                          weights.vector(f"{name}.bias", config.n_embd), config.rms_eps,
+                          config.layer_norm)
 
     rotary = long_rope(config, weights)
     moe = set(config.moe_layers)

@@ -48,8 +48,12 @@ def hf_fields(hf: dict[str, Any], folder: Path, fields: dict[str, Any]) -> None:
         if short != long:  # transformers switches per forward on its longest position
             raise MoeswapError(f"{folder}/config.json: short_mscale {short} and long_mscale {long} "
                                "differ; moeswap applies one (Phi-3.5-MoE publishes them equal)")
-        fields.update(rope_mscale=float(short),
-                      rope_factors=tuple(float(f) for f in rope["short_factor"]))
+        factors = tuple(float(f) for f in rope["short_factor"])
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        if len(factors) != head_dim // 2:
+            raise MoeswapError(f"{folder}/config.json: short_factor has {len(factors)} values, "
+                               f"expected one per rotated pair ({head_dim // 2})")
+        fields.update(rope_mscale=float(short), rope_factors=factors)
 
 
 @dataclass(frozen=True)
