@@ -2,14 +2,17 @@
 
 Residency (moeswap.experts.residency) decides which tier holds each expert and where its bytes
 are; prefetch (moeswap.experts.lookahead) reads the next layers' likely experts ahead. This
-module computes: for every expert a layer step needs, in ascending id order, residency serves
-its bytes and the store computes it at once, as a one-expert stack, on exactly the tokens that
-picked it.
+module computes. A layer step's hits (experts whose bytes are held: device or host slot, or a
+prefetched guess) are served first, and the hits of each slot pool run as one fused ggml graph
+(moeswap.quant.moe_graph) over a view of the pool whose expert i is slot i. Then each miss runs
+as its own graph as soon as its bytes are in (a later read may reuse its staging slot).
 
-Every product goes through ggml's ``mul_mat_id`` on the same token groups as the resident
-runner, so logits are bit-identical to the fully resident model at any budget and with any
-policy (docs/OFFLOAD.md). ``threshold`` (``--expert-threshold``) is an opt-in approximation:
-picks with a routing weight under it are dropped and the rest rescaled, and it is counted.
+Every pick goes through the resident runner's graph on the same token groups (ggml's
+``mul_mat_id`` groups an expert's tokens wherever its bytes lie), and the picks' weighted rows
+are summed in the graph's order, so logits are bit-identical to the fully resident model at any
+budget and with any policy (docs/OFFLOAD.md). ``threshold`` (``--expert-threshold``) is an
+opt-in approximation: picks with a routing weight under it are dropped and the rest rescaled,
+and it is counted.
 ``miss_lowbit`` (``--miss-lowbit``) is the other: misses no tier admits are computed from
 low-bit copies held in RAM instead of read from the file (moeswap.experts.lowbit); counted.
 
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import numpy as np
 import torch
 
 from moeswap.experts.cost import Rates
@@ -29,14 +31,15 @@ from moeswap.experts.lookahead import Lookahead
 from moeswap.experts.residency import Residency
 from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.stats import LayerStats, total
-from moeswap.experts.tiers import check_inside_file, slot_bytes, slot_pieces
+from moeswap.experts.tiers import check_inside_file, piece_offsets, slot_bytes, slot_pieces
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_moe import MoEView
 from moeswap.memory import HostCharge
-from moeswap.models.quant_experts import (VECTOR_DTYPES, ExpertLayout, combine, group_picks,
-                                          hidden, output, run_in_pieces)
-from moeswap.quant import CpuKernels, QuantExperts
+from moeswap.models.quant_experts import (GLUS, ExpertLayout, combine, group_picks,
+                                          per_matrix_step, run_in_pieces)
+from moeswap.quant import CpuKernels
+from moeswap.quant.moe_graph import MoeFfn, pool_stacks
 
 
 def routed_bytes(gguf: GGUFFile, layers: list[int]) -> int:
@@ -49,20 +52,6 @@ def shared_bytes(gguf: GGUFFile, layers: list[int]) -> int:
     memory (MTP layers, which the model does not run, are left out: gguf_moe.MoEView)."""
     run = MoEView(gguf, config_from_gguf(gguf).n_layer).tensors
     return sum(t.n_bytes for t in run) - routed_bytes(gguf, layers)
-
-
-class _Slot:
-    """An expert's pieces bound in one slot: one-expert stacks and bias vectors (views)."""
-
-    def __init__(self, kernels: CpuKernels, layout: ExpertLayout, slot: np.ndarray):
-        self.matrices: dict[str, QuantExperts] = {}
-        self.biases: dict[str, torch.Tensor] = {}
-        for kind, part, raw in slot_pieces(layout, slot):
-            if part.is_matrix:
-                self.matrices[kind] = kernels.experts(raw, part.ggml_type, (*part.ne, 1), part.name)
-            else:
-                vector = torch.from_numpy(raw).view(VECTOR_DTYPES[part.ggml_type])
-                self.biases[kind] = vector.view(-1)
 
 
 class ExpertStore:
@@ -84,7 +73,7 @@ class ExpertStore:
         self.lookahead = (Lookahead(self.residency, settings, routers or {},
                                     config.n_expert_used)
                           if self.residency.prefetching else None)
-        self._bound: dict[tuple[str, int, int], _Slot] = {}
+        self._pool_ffn: dict[tuple[str, int], MoeFfn] = {}  # (pool, layout) -> its graphs
         self.residency.prefill_policies()
 
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
@@ -96,48 +85,128 @@ class ExpertStore:
 
     def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] -> [T, D].
-
-        Two passes over the step's experts, as the resident runner's two products: gate/up for
-        all, the activation on the whole [T*K, F] tensor, then down for all. An expert evicted
-        between the passes (budgets smaller than one step's experts) is fetched again.
-        """
-        layout, stats, top_k = self.layouts[layer], self.layer_stats[layer], ids.shape[1]
-        n_picks = ids.numel()
+        """x [T, D], ids/weights [T, K] -> [T, D]: the hits' graphs, then each miss's."""
+        layout, stats = self.layouts[layer], self.layer_stats[layer]
         keep = None
         if self.settings.threshold > 0:
             weights, keep = self._threshold(layout, ids, weights, stats)
         groups = [(e, picks if keep is None else picks[keep[picks]])
                   for e, picks in group_picks(ids)]
         groups = [(e, picks) for e, picks in groups if picks.numel()]
-        r = self.residency
-        r.step_keys = {(layer, e) for e, _ in groups}
-        r.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
-                              if (layer, e) not in r.policies["device"]])
-        kinds = ("gate_up",) if layout.fused else ("gate", "up")
-        firsts, vectors, places = {}, {}, {}
-        for expert, picks in groups:
-            stats.requests += 1
-            places[expert] = r.serve(layer, expert, picks.numel(), stats)
-            bound = self._bound_slot(*places[expert], layer)
-            rows = x[picks // top_k]  # [M, D]
-            zeros = torch.zeros(rows.shape[0], 1, dtype=torch.int32)  # [M, 1]: the only expert
-            for kind in kinds:
-                y = bound.matrices[kind].matmul(rows, zeros)[:, 0]  # [M, F] or [M, 2F]
-                firsts.setdefault(kind, x.new_zeros(n_picks, y.shape[1]))[picks] = y
-            for kind, vector in bound.biases.items():
-                rows_of = vectors.setdefault(kind, x.new_zeros(n_picks, vector.numel()))
-                rows_of[picks] = vector.float()
         if not groups:  # every pick dropped: cannot happen, a token's top pick is always kept
             return torch.zeros_like(x)
-        h = hidden(self.activation, firsts[kinds[0]], firsts.get("up"), vectors)  # [T*K, F]
-        y = x.new_zeros(n_picks, x.shape[1])  # [T*K, D]
-        for expert, picks in groups:
-            place = r.still_held((layer, expert), places[expert], stats)
-            zeros = torch.zeros(picks.numel(), 1, dtype=torch.int32)
-            down = self._bound_slot(*place, layer).matrices["down"]
-            y[picks] = down.matmul(h[picks], zeros)[:, 0]  # [M, D]
-        return combine(output(y, vectors).view(*ids.shape, -1), weights)
+        r = self.residency
+        r.step.start(layer, [e for e, _ in groups])
+        r.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
+                              if (layer, e) not in r.policies["device"]])
+        step, picks_of = _Step(x, ids, weights), dict(groups)
+        requests = [(e, picks.numel()) for e, picks in groups]
+        if r.step.split:
+            self._in_halves(layer, requests, picks_of, step, stats)
+        else:
+            self._whole(layer, requests, picks_of, step, stats)
+        return combine(step.picked.view(*ids.shape, -1))
+
+    def _whole(self, layer: int, requests: list[tuple[int, int]],
+               picks_of: dict[int, torch.Tensor], step: _Step, stats: LayerStats) -> None:
+        """Each expert's whole feed-forward once its bytes are in: the hits together, one graph
+        per pool, as soon as the last of them is served (before any miss's read is waited
+        for); then each miss as it lands. Without overlap (device slots) each expert is
+        computed as it is served: a later one may take the slot an earlier one used."""
+        r = self.residency
+        hits = {e for e, _ in requests if r.holds((layer, e))} if r.overlapped else set()
+        batch: list[tuple[int, tuple[str, int]]] = []
+        for expert, place in r.step.first_pass(requests, stats):
+            if expert in hits:
+                batch.append((expert, place))
+                hits.discard(expert)
+                if hits:
+                    continue
+            else:
+                self._compute(layer, place[0], [(place[1], picks_of[expert])], step)
+            self._compute_hits(layer, batch, picks_of, step, stats)
+            batch = []
+        self._compute_hits(layer, batch, picks_of, step, stats)
+
+    def _compute_hits(self, layer: int, batch: list[tuple[int, tuple[str, int]]],
+                      picks_of: dict[int, torch.Tensor], step: _Step,
+                      stats: LayerStats) -> None:
+        """The batched hits, one graph per pool; one evicted meanwhile (budgets smaller than a
+        step's experts) is fetched again and computed alone."""
+        by_pool: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for expert, place in batch:
+            now = self.residency.still_held((layer, expert), place, stats)
+            if now != place:
+                self._compute(layer, now[0], [(now[1], picks_of[expert])], step)
+            else:
+                by_pool.setdefault(place[0], []).append((place[1], picks_of[expert]))
+        for pool, entries in by_pool.items():
+            self._compute(layer, pool, entries, step)
+
+    def _in_halves(self, layer: int, requests: list[tuple[int, int]],
+                   picks_of: dict[int, torch.Tensor], step: _Step, stats: LayerStats) -> None:
+        """A step whose misses stream through the staging ring, down matrices last
+        (moeswap.experts.step_reads): each expert's graph cut at the activation, gate/up in
+        the first pass, down in the second; the same bits as one graph."""
+        r, hidden, places = self.residency, {}, {}
+        for expert, place in r.step.first_pass(requests, stats):
+            places[expert] = place
+            slots = torch.full((picks_of[expert].numel(), 1), place[1], dtype=torch.int32)
+            hidden[expert] = self._ffn(layer, place[0]).hidden(step.rows(picks_of[expert]), slots)
+        for expert, place in r.step.second_pass(places, stats):
+            picks = picks_of[expert]
+            slots = torch.full((picks.numel(), 1), place[1], dtype=torch.int32)
+            step.picked[picks] = self._ffn(layer, place[0]).finish(
+                hidden.pop(expert), slots, step.weights.flatten()[picks, None])
+
+    def _compute(self, layer: int, pool: str, entries: list[tuple[int, torch.Tensor]],
+                 step: _Step) -> None:
+        """The picks of experts held in ``pool`` (entries: slot, picks as indices into T*K), as
+        one graph -> their weighted rows, written into ``step.picked``."""
+        picks = torch.cat([p for _, p in entries]).sort().values  # [P], tokens ascending
+        slot_of = torch.empty(step.ids.numel(), dtype=torch.int32)
+        for index, p in entries:
+            slot_of[p] = index
+        rows = step.rows(picks)  # [P, D]
+        weights = step.weights.flatten()[picks, None]  # [P, 1]
+        r = self.residency
+        if pool == "device" and r.on_torch_device:
+            step.picked[picks] = self._device_rows(layer, entries, rows, weights, picks)
+            return
+        step.picked[picks] = self._ffn(layer, pool).run(rows, slot_of[picks, None], weights)
+
+    def _ffn(self, layer: int, pool: str) -> MoeFfn:
+        """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout."""
+        r = self.residency
+        layout = (r.lowbit if pool == "lowbit" else self).layouts[layer]
+        signature = hash(tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts))
+        key = (pool, signature)
+        if key not in self._pool_ffn:
+            slots = r.pool(pool)
+            pieces = [(kind, part.ggml_type, part.ne, offset) for (kind, part, _), offset
+                      in zip(slot_pieces(layout, slots.slot(0)), piece_offsets(layout))]
+            self._pool_ffn[key] = MoeFfn(
+                self.kernels, pool_stacks(self.kernels, slots.buffer, slots.slot_size, pieces),
+                GLUS[self.activation])
+        return self._pool_ffn[key]
+
+    def _device_rows(self, layer: int, entries: list[tuple[int, torch.Tensor]],
+                     rows: torch.Tensor, weights: torch.Tensor,
+                     picks: torch.Tensor) -> torch.Tensor:
+        """Weighted rows [P, D] of picks whose experts are in torch device slots: the per-matrix
+        path, one expert at a time (the device tier computes with torch)."""
+        out = rows.new_empty(rows.shape[0], self.layouts[layer].matrices["down"].out_features)
+        for index, p in entries:
+            expert = self.residency.pools["device"].expert(index, self.layouts[layer])
+            mine = torch.isin(picks, p)  # [P] this expert's picks
+            n = int(mine.sum())
+            vectors = {kind: v.float().expand(n, -1) for kind, v in expert.biases.items()}
+            out[mine] = per_matrix_step(
+                lambda kind, x, ids, expert=expert, n=n: expert.matrices[kind].matmul(
+                    x.reshape(n, -1), ids),
+                vectors, self.activation, self.layouts[layer].fused, rows[mine],
+                torch.zeros(n, 1, dtype=torch.int32), weights[mine])
+        return out
 
     def _threshold(self, layout: ExpertLayout, ids: torch.Tensor, weights: torch.Tensor,
                    stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,22 +224,12 @@ class ExpertStore:
             stats.threshold_saved_bytes += len(before - after) * layout.expert_bytes
         return scaled, keep.flatten()
 
-    def _bound_slot(self, pool: str, index: int, layer: int) -> _Slot:
-        """The slot's bytes bound as this layer's expert layout; bound once per slot and layout."""
-        r = self.residency
-        layout = (r.lowbit if pool == "lowbit" else self).layouts[layer]
-        if pool == "device" and r.on_torch_device:
-            return r.pools["device"].expert(index, layout)
-        signature = hash(tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts))
-        key = (pool, index, signature)
-        if key not in self._bound:
-            self._bound[key] = _Slot(self.kernels, layout, r.slot_array(pool, index))
-        return self._bound[key]
-
     def close(self) -> None:
-        """Stop the prefetch worker (also done when the store is collected)."""
+        """Stop the prefetch worker and the reader threads (also done when the store is
+        collected)."""
         if self.lookahead is not None:
             self.lookahead.close()
+        self.residency.reads.close()
 
     def held_bytes(self) -> dict[str, int]:
         return self.residency.held_bytes()
@@ -193,3 +252,15 @@ class ExpertStore:
                if self.lookahead is not None else {}),
             **({"lowbit": r.lowbit.as_dict()} if r.lowbit is not None else {}),
         }
+
+
+class _Step:
+    """A layer step's inputs and the weighted output rows of its picks, filled pool by pool."""
+
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        self.x, self.ids, self.weights = x, ids, weights  # [T, D], [T, K], [T, K]
+        self.picked = x.new_zeros(ids.numel(), x.shape[1])  # [T*K, D]
+
+    def rows(self, picks: torch.Tensor) -> torch.Tensor:
+        """picks [P] (indices into T*K) -> their tokens' rows [P, D]."""
+        return self.x[picks // self.ids.shape[1]]

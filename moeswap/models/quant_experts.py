@@ -6,14 +6,16 @@ fused gate_up (gate rows first), then down, plus per-expert bias vectors in some
 describes where one expert's pieces lie in the file; the unit an offload store moves is all of
 them together.
 
-The resident runner here multiplies through whole stacks in the mapped file; the offload store
-multiplies each expert from wherever its bytes are, as a one-expert stack, and gathers the rows
-into the same tensors. Both give bit-identical logits: ggml's ``mul_mat_id`` multiplies each
+The resident runner here runs each step as one fused ggml graph (moeswap.quant.moe_graph) over
+the whole stacks in the mapped file; the offload store runs the same graph over the stacks of
+its slot pools, on the picks whose experts lie in each pool, and sums the picks' rows as the
+graph does (``combine``). Both give bit-identical logits: ggml's ``mul_mat_id`` multiplies each
 expert's tokens as one group whatever stack holds the expert (docs/KERNELS.md, "Exactness
-across tiers"); both cut a batch into the same pieces of at most ``MAX_TOKENS_PER_CALL`` tokens
-(``run_in_pieces``); and both run the torch math between the products (``hidden``, ``output``,
-``combine``) on whole [T*K, ...] tensors of the same shapes. (Elementwise torch ops are not
-position-independent at the last bit: tails and thread splits take a scalar path.)
+across tiers"); the activation is ggml's in both, row by row; adds and multiplies are single
+IEEE operations; and both cut a batch into the same pieces of at most ``MAX_TOKENS_PER_CALL``
+tokens (``run_in_pieces``). ``per_matrix_step`` is the per-matrix path the graph replaced
+(three products, torch between them), kept as the reference the graph is tested against and
+for the torch device tier.
 
 Legend: N tokens, T tokens of one piece, K experts picked per token, D model width,
 F expert width, O a part's output width, X experts in the layer.
@@ -22,7 +24,6 @@ F expert width, O a part's output width, X experts in the layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -31,10 +32,15 @@ from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.models.experts import ACTIVATIONS
+from moeswap.models.experts import ACTIVATIONS, OAI_ALPHA, OAI_LIMIT
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels, QuantExperts
+from moeswap.quant.moe_graph import Glu, MoeFfn, weight_stacks
 
 VECTOR_DTYPES = {0: torch.float32, 1: torch.float16}  # ggml type id -> torch dtype (biases)
+
+# Each family's expert activation (ModelConfig.expert_act) as the fused graph computes it.
+GLUS = {"silu": Glu("silu"), "gelu": Glu("gelu"),
+        "swiglu_oai": Glu("swiglu_oai", OAI_ALPHA, OAI_LIMIT)}
 
 
 @dataclass(frozen=True)
@@ -148,9 +154,30 @@ def output(down: torch.Tensor, vectors: dict[str, torch.Tensor]) -> torch.Tensor
     return down * vectors["scale"] if "scale" in vectors else down
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [T, K, D] per pick, weights [T, K] -> [T, D]."""
-    return (y * weights[..., None].to(y.dtype)).sum(dim=1)
+def combine(y: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """y [T, K, D] per pick, times weights [T, K] (None: already weighted) -> [T, D], summed
+    in pick order as the fused graph sums (one add per pick, so the bits agree)."""
+    if weights is not None:
+        y = y * weights[..., None].to(y.dtype)
+    out = y[:, 0]
+    for k in range(1, y.shape[1]):
+        out = out + y[:, k]
+    return out
+
+
+def per_matrix_step(product, vectors: dict[str, torch.Tensor], activation: str, fused: bool,
+                    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The per-matrix path: x [T, D], ids/weights [T, K] -> [T, D], three products
+    ``product(kind, rows [T, S, I] or [T, I], ids) -> [T, K, O]`` and torch between them;
+    ``vectors``: the picks' bias / scale rows by kind ([T*K, O])."""
+    n_picks = ids.numel()
+    if fused:
+        h = hidden(activation, product("gate_up", x, ids).view(n_picks, -1), None, vectors)
+    else:
+        h = hidden(activation, product("gate", x, ids).view(n_picks, -1),
+                   product("up", x, ids).view(n_picks, -1), vectors)  # [T*K, F]
+    y = product("down", h.view(*ids.shape, -1), ids)  # [T, K, D]
+    return combine(output(y.reshape(n_picks, -1), vectors).view(*ids.shape, -1), weights)
 
 
 def run_in_pieces(piece, x: torch.Tensor, expert_ids: torch.Tensor,
@@ -166,10 +193,11 @@ def run_in_pieces(piece, x: torch.Tensor, expert_ids: torch.Tensor,
 
 
 class QuantResidentExperts:
-    """Every routed expert computed from the mapped file through whole-stack ``mul_mat_id``."""
+    """Every routed expert computed from the mapped file, a step as one fused ggml graph over the
+    whole stacks."""
 
     def __init__(self, gguf: GGUFFile, kernels: CpuKernels, layers: list[int], activation: str):
-        self.activation = activation
+        self.kernels, self.activation = kernels, activation
         self.layouts = {i: ExpertLayout.from_file(gguf, i) for i in layers}
         self._stacks: dict[tuple[int, str], QuantExperts] = {}
         self._vectors: dict[int, dict[str, torch.Tensor]] = {}  # layer -> part -> [X, O]
@@ -183,26 +211,34 @@ class QuantResidentExperts:
                 self._vectors[i][kind] = torch.from_numpy(  # [X, O], small: decoded once
                     np.frombuffer(raw, dtype=np.uint8).copy()).view(
                     VECTOR_DTYPES[part.ggml_type]).float().view(part.n_experts, -1)
+        self._fuse(layers)
+
+    def _fuse(self, layers: list[int]) -> None:
+        """One fused feed-forward per layer over the bound stacks and the decoded vectors."""
+        self._ffn: dict[int, MoeFfn] = {}
+        for i in layers:
+            matrices = {kind: stack.weight for (layer, kind), stack in self._stacks.items()
+                        if layer == i}
+            vectors = {kind: self.kernels.bind(v.contiguous().numpy(), 0, tuple(v.shape[::-1]),
+                                               f"blk.{i}.{kind} vector")  # ne (O, X), F32
+                       for kind, v in self._vectors[i].items()}
+            self._ffn[i] = MoeFfn(self.kernels, weight_stacks(matrices, vectors),
+                                  GLUS[self.activation])
 
     def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
-        return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
+        return run_in_pieces(self._ffn[layer].run, x, expert_ids, weights)
 
-    def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] -> [T, D]."""
-        n_picks = ids.numel()
-        vectors = {kind: v[ids.flatten()] for kind, v in self._vectors[layer].items()}
-        if (layer, "gate_up") in self._stacks:
-            first = self._stacks[layer, "gate_up"].matmul(x, ids).view(n_picks, -1)  # [T*K, 2F]
-            h = hidden(self.activation, first, None, vectors)  # [T*K, F]
-        else:
-            h = hidden(self.activation,
-                       self._stacks[layer, "gate"].matmul(x, ids).view(n_picks, -1),
-                       self._stacks[layer, "up"].matmul(x, ids).view(n_picks, -1), vectors)
-        y = self._stacks[layer, "down"].matmul(h.view(*ids.shape, -1), ids)  # [T, K, D]
-        return combine(output(y.view(n_picks, -1), vectors).view(*ids.shape, -1), weights)
+    def per_matrix(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+        """``run`` by the per-matrix path (``per_matrix_step``): the fused graph's reference."""
+        def piece(x, ids, weights):
+            vectors = {kind: v[ids.flatten()] for kind, v in self._vectors[layer].items()}
+            return per_matrix_step(lambda kind, rows, ids: self._stacks[layer, kind].matmul(
+                rows, ids), vectors, self.activation, (layer, "gate_up") in self._stacks,
+                x, ids, weights)
+        return run_in_pieces(piece, x, expert_ids, weights)
 
 
 class FolderMxfp4Experts(QuantResidentExperts):
@@ -211,7 +247,7 @@ class FolderMxfp4Experts(QuantResidentExperts):
     does, never decoded) and multiplied by ggml; the per-expert biases are read as floats."""
 
     def __init__(self, weights: Any, kernels: CpuKernels, layers: list[int], activation: str):
-        self.activation = activation
+        self.kernels, self.activation = kernels, activation
         self._stacks, self._vectors = {}, {}
         for i in layers:
             for kind in ("gate", "up", "down"):
@@ -221,8 +257,9 @@ class FolderMxfp4Experts(QuantResidentExperts):
                 in_features = weights.tensor_shape(name)[-1]
                 self._stacks[i, kind] = kernels.experts(
                     packed, GGMLQuantizationType.MXFP4, (in_features, out_features, n_experts), name)
-            self._vectors[i] = {kind: weights.tensor(bias) for kind in ("gate", "up", "down")
+            self._vectors[i] = {kind: weights.tensor(bias).float() for kind in ("gate", "up", "down")
                                 if weights.has(bias := f"blk.{i}.ffn_{kind}_exps.bias")}
+        self._fuse(layers)
 
 
 def _stack_bytes(gguf: GGUFFile, part: ExpertPart) -> memoryview:

@@ -44,10 +44,12 @@ SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
 MAX_TOKENS_PER_CALL = 32
 
 # Scratch regions. Reserved as anonymous virtual memory: only the pages a call touches are ever
-# committed. 256 MiB holds 32 tokens x 8 experts x 262144 floats.
-_REGION_BYTES = 256 << 20
-_INPUT_OFFSET, _IDS_OFFSET, _OUTPUT_OFFSET = 0, _REGION_BYTES, 2 * _REGION_BYTES
-_SCRATCH_BYTES = 3 * _REGION_BYTES
+# committed. 256 MiB holds 32 tokens x 8 experts x 262144 floats. The work region holds every
+# tensor of a fused feed-forward graph (moeswap.quant.moe_graph), one graph at a time.
+REGION_BYTES = 256 << 20
+_INPUT_OFFSET, _IDS_OFFSET, _OUTPUT_OFFSET = 0, REGION_BYTES, 2 * REGION_BYTES
+WORK_OFFSET = 3 * REGION_BYTES
+_SCRATCH_BYTES = 4 * REGION_BYTES
 _TENSOR_ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT; ggml aborts on less-aligned weight bytes
 _F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
 
@@ -98,6 +100,11 @@ class CpuKernels:
         """Bind an expert stack of GGUF shape ``ne = (in, out, E)`` stored in ``raw``."""
         return QuantExperts(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 3, name))
 
+    def bind(self, raw, ggml_type: int, ne: tuple[int, ...], name: str = "weight") -> _Weight:
+        """A tensor of GGUF shape ``ne`` (2 or 3 dimensions) on ``raw``, not copied: for graphs
+        that take weights as operands (moeswap.quant.moe_graph)."""
+        return _bind_weight(self.ggml, raw, ggml_type, tuple(ne), len(ne), name)
+
     def scratch_tensor(self, context: int, ggml_type: int, ne: tuple[int, ...],
                        offset: int) -> int:
         """A new tensor of ``context`` whose data is the scratch region at ``offset``."""
@@ -108,20 +115,22 @@ class CpuKernels:
     def place_in_scratch(self, tensor: int, offset: int) -> None:
         """Point ``tensor``'s data at the scratch region starting at ``offset``."""
         n_bytes = self.ggml.ggml_nbytes(tensor)
-        if n_bytes > _REGION_BYTES:  # checked here: ggml would abort the process
+        if n_bytes > REGION_BYTES:  # checked here: ggml would abort the process
             raise MoeswapError(f"a product needing {n_bytes} bytes of scratch exceeds the "
-                               f"{_REGION_BYTES}-byte region; call with fewer picked experts")
-        _check_status(self.ggml.ggml_backend_tensor_alloc(
+                               f"{REGION_BYTES}-byte region; call with fewer picked experts")
+        check_status(self.ggml.ggml_backend_tensor_alloc(
             self._scratch_buffer, tensor, self.scratch_address + offset), "scratch tensor")
 
-    def run(self, graph: int, inputs: list[tuple[int, int, int]], output: tuple[int, int]):
-        """Copy ``inputs`` (scratch offset, source address, bytes) in, compute, copy out."""
+    def run(self, graph: int, inputs: list[tuple[int, int, int]], output: tuple[int, int],
+            output_offset: int = _OUTPUT_OFFSET):
+        """Copy ``inputs`` (scratch offset, source address, bytes) in, compute, copy
+        ``output`` (destination address, bytes) out from ``output_offset``."""
         with self._lock:
             for offset, source, n_bytes in inputs:
                 ctypes.memmove(self.scratch_address + offset, source, n_bytes)
-            _check_status(self.ggml.ggml_backend_graph_compute(self._backend, graph), "compute")
+            check_status(self.ggml.ggml_backend_graph_compute(self._backend, graph), "compute")
             destination, n_bytes = output
-            ctypes.memmove(destination, self.scratch_address + _OUTPUT_OFFSET, n_bytes)
+            ctypes.memmove(destination, self.scratch_address + output_offset, n_bytes)
 
 
 @dataclass
@@ -161,7 +170,7 @@ def _bind_weight(ggml: GGML, raw, ggml_type: int, ne: tuple[int, ...], dims: int
     new = ggml.ggml_new_tensor_2d if dims == 2 else ggml.ggml_new_tensor_3d
     tensor = new(context, int(ggml_type), *ne)
     buffer = ggml.ggml_backend_cpu_buffer_from_ptr(data.ctypes.data, data.nbytes)
-    _check_status(ggml.ggml_backend_tensor_alloc(buffer, tensor, data.ctypes.data), "weight")
+    check_status(ggml.ggml_backend_tensor_alloc(buffer, tensor, data.ctypes.data), "weight")
     weight = _Weight(int(ggml_type), ne, tensor, [context], data)
     weakref.finalize(weight, _free_weight, ggml, weight.contexts, buffer)
     return weight
@@ -281,7 +290,7 @@ def _aligned_copy(data: np.ndarray) -> np.ndarray:
     return aligned
 
 
-def _check_status(status: int, what: str) -> None:
+def check_status(status: int, what: str) -> None:
     if status != 0:  # GGML_STATUS_SUCCESS
         raise RuntimeError(f"ggml failed ({what}): status {status}")
 
