@@ -19,7 +19,10 @@ def register(subparsers) -> None:
     add_model_argument(p, "a .gguf file (only its header is read)")
     p.add_argument("--device-mem", metavar="SIZE", default="0",
                    help="GPU memory (or moeswap's device tier) to plan for, e.g. 12GiB (0)")
-    p.add_argument("--host-mem", metavar="SIZE", required=True, help="RAM to plan for, e.g. 32GiB")
+    p.add_argument("--host-mem", metavar="SIZE",
+                   help="RAM to plan for, e.g. 32GiB (default: what this machine has free, "
+                        "capped by the process's memory cgroup, less the runtime's reserve, "
+                        "as --plan auto takes it)")
     p.add_argument("-c", "--ctx", type=int, required=True, help="context length in tokens")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (1)")
     add_step_tokens_argument(p, " (as run, chat and serve take it)")
@@ -51,8 +54,8 @@ def run_plan(args) -> int:
     if args.gpus > 1 and not args.gpu_mem:
         raise MoeswapError("--gpus needs --gpu-mem, the memory of each GPU (e.g. 80GiB)")
     check_step_tokens(args.step_tokens)
-    budget = Budget(parse_size(args.device_mem), parse_size(args.host_mem), args.ctx, args.batch,
-                    args.step_tokens, args.kv_type)
+    budget = Budget(parse_size(args.device_mem), _host_bytes(args.host_mem), args.ctx,
+                    args.batch, args.step_tokens, args.kv_type)
     given = {field: getattr(args, flag) * 1e9 if getattr(args, flag) else None
              for flag, field in RATE_FLAGS.items()}
     full = plan_model(args.model, budget, plan_rates(given), args.profile, args.gpus,
@@ -63,6 +66,16 @@ def run_plan(args) -> int:
     else:
         print_plan(doc)
     return 0
+
+
+def _host_bytes(given: str | None) -> int:
+    from moeswap.memory import parse_size
+    from moeswap.planner.auto import machine_memory
+
+    if given is not None:
+        return parse_size(given)
+    machine = machine_memory()
+    return max(machine.free_ram - machine.reserve, 0)
 
 
 def print_plan(doc: dict) -> None:

@@ -1,7 +1,11 @@
 """`moeswap run --plan auto`: plan for this machine's free memory, and the budgets the run uses.
 
-The host budget is the RAM free now (MemAvailable) less HOST_RESERVE for the Python runtime,
-torch and activations, which the store does not count; the device budget is the free GPU
+The host budget is the memory free now less a reserve for what the runtime allocates after
+planning, which the store does not count. Free is the smaller of the RAM free (MemAvailable,
+less HOST_RESERVE: torch, the tokenizer, the OS) and, in a memory cgroup (a container, or
+`bench --memory-limit`), the tightest limit on the process's cgroup path less the anonymous
+memory held there, which already counts what the runtime holds (less CGROUP_RESERVE:
+moeswap.planner.cgroup_memory). The device budget is the free GPU
 memory less llama_cpp.GPU_RESERVE, or 0 without CUDA. A budget given as a flag replaces the
 machine's. The run then gets exactly what the plan uses — the charged bytes plus its expert
 slots — or, when every expert fits in RAM with no device tier, the all-resident mapped file.
@@ -15,6 +19,7 @@ from pathlib import Path
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.memory import STEP_TOKENS, format_size
+from moeswap.planner.cgroup_memory import CGROUP_ROOT, SELF_CGROUP, cgroup_limit
 from moeswap.planner.llama_cpp import GPU_RESERVE
 from moeswap.planner.placement import Budget, Plan, gib, make_plan
 from moeswap.planner.rates import PlanRates
@@ -22,13 +27,18 @@ from moeswap.planner.sizes import model_sizes
 from moeswap.routing.profile import Profile
 
 HOST_RESERVE = 1 << 30  # torch, the tokenizer, activations, the OS: outside the store's budget
+# In a cgroup the runtime's holdings are already counted (the cgroup's anonymous memory): kept
+# back is only what it allocates after planning (the tokenizer, kernel threads' buffers).
+CGROUP_RESERVE = 128 << 20
 
 
 @dataclass(frozen=True)
 class Machine:
-    total_ram: int
-    free_ram: int  # what can be allocated without swapping (MemAvailable)
+    total_ram: int  # physical RAM, or the memory cgroup's limit when that is smaller
+    free_ram: int  # what can be allocated without swapping (MemAvailable) or past the cgroup
     gpu_free: int = 0  # free CUDA memory; 0 without a GPU
+    reserve: int = HOST_RESERVE  # kept back from free_ram for the runtime
+    cgroup: str = ""  # the cgroup folder whose limit binds; "" when RAM does
 
 
 @dataclass(frozen=True)
@@ -42,7 +52,8 @@ class AutoPlan:
     def describe(self) -> list[str]:
         p, m = self.plan, self.machine
         gpu = f"GPU {gib(m.gpu_free)} free" if m.gpu_free else "no GPU"
-        lines = [f"plan auto: RAM {gib(m.free_ram)} free of {gib(m.total_ram)}, {gpu}; "
+        where = f"memory cgroup {m.cgroup}" if m.cgroup else "RAM"
+        lines = [f"plan auto: {where} {gib(m.free_ram)} free of {gib(m.total_ram)}, {gpu}; "
                  f"planned for host {gib(p.budget.host_bytes)}, device "
                  f"{gib(p.budget.device_bytes)}, {p.budget.context} positions"
                  + (f" x {p.budget.batch} sequences" if p.budget.batch > 1 else "")]
@@ -63,8 +74,9 @@ class AutoPlan:
         return lines + [f"plan auto: note: {note}" for note in self.notes]
 
 
-def machine_memory() -> Machine:
-    """This machine's RAM (from /proc/meminfo where there is one) and free CUDA memory."""
+def machine_memory(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGROUP) -> Machine:
+    """This machine's RAM (from /proc/meminfo where there is one), capped by the process's
+    memory cgroup, and free CUDA memory."""
     import os
 
     import torch
@@ -77,6 +89,10 @@ def machine_memory() -> Machine:
         if "MemAvailable" in fields:  # counts reclaimable page cache, unlike SC_AVPHYS_PAGES
             free = int(fields["MemAvailable"].split()[0]) * 1024
     gpu = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    cgroup = cgroup_limit(cgroup_root, self_cgroup)
+    if cgroup is not None and cgroup.free - CGROUP_RESERVE < free - HOST_RESERVE:
+        return Machine(min(total, cgroup.limit), cgroup.free, gpu, CGROUP_RESERVE,
+                       str(cgroup.folder))
     return Machine(total, free, gpu)
 
 
@@ -113,7 +129,7 @@ def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rat
             device_bytes = 0
     from_machine = host_bytes is None
     if from_machine:
-        host_bytes = max(machine.free_ram - HOST_RESERVE, 0)
+        host_bytes = max(machine.free_ram - machine.reserve, 0)
     gf = GGUFFile.open(model_path)
     try:
         sizes = model_sizes(gf)
@@ -127,8 +143,10 @@ def auto_plan(model_path: str | Path, context_tokens: int, machine: Machine, rat
     except MoeswapError as refusal:
         if not from_machine:
             raise
-        raise MoeswapError(f"--plan auto: this machine has {gib(machine.free_ram)} of RAM free, "
-                           f"{gib(host_bytes)} after {gib(HOST_RESERVE)} kept for the runtime: "
+        where = f"its memory cgroup allows {gib(machine.free_ram)} more" if machine.cgroup \
+            else f"this machine has {gib(machine.free_ram)} of RAM free"
+        raise MoeswapError(f"--plan auto: {where}, "
+                           f"{gib(host_bytes)} after {gib(machine.reserve)} kept for the runtime: "
                            f"{refusal}") from None
     if not plan.all_experts:  # a dense model: no expert store, every weight in RAM
         return AutoPlan(plan, machine, None, 0, notes)

@@ -76,8 +76,9 @@ def decode_step_seconds(path: Path, threads: int | None, expert_runner=None,
     the expert runner's budget charged the cache for)."""
     from moeswap.models import load_model
 
+    # validate=False: the probe's model has no tokenizer, which doctor would report
     model = load_model(path, threads=threads, expert_runner=expert_runner,
-                       context_tokens=context_tokens)
+                       context_tokens=context_tokens, validate=False)
     cache = model.new_cache()
     ids = torch.arange(PROMPT_TOKENS) % (N_VOCAB - 3) + 3
     logits = model.forward([ids], [cache], last_only=True)[0]
