@@ -9,7 +9,13 @@ import moeswap
 from moeswap.cli import main
 from moeswap.experts.cost import Rates
 from moeswap.planner import auto
-from moeswap.planner.auto import CGROUP_RESERVE, HOST_RESERVE, Machine, auto_plan, machine_memory
+from moeswap.planner.auto import (
+    CGROUP_RESERVE,
+    HOST_RESERVE,
+    Machine,
+    auto_plan,
+    machine_memory,
+)
 from moeswap.planner.cgroup_memory import cgroup_limit, own_cgroup
 from moeswap.planner.rates import PlanRates
 
