@@ -43,7 +43,7 @@ def test_a_file_truncated_under_the_store_leaves_shared_weights_computing(mixtra
     copy = tmp_path / "copy.gguf"
     shutil.copy(mixtral_file, copy)
     done = subprocess.run([sys.executable, "-c", CHILD, str(copy), "3", "1", "4", "1", "5", "9"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "same logits after the truncation" in done.stdout
 
