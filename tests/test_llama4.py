@@ -17,6 +17,7 @@ scale 0.1): it is held to transformers run with those values, and to llama.cpp.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from test_deepseek3 import (PROMPT, assert_matches_transformers, llama_cpp_logit
 from tiny_models import relative_error
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
+LONG = 8192 + 24  # past llama.cpp's temperature step (position 8191) and first chunk (8192)
 # What llama.cpp's llama4 loader hard-codes (src/models/llama4.cpp), as transformers' keys.
 LLAMA_CPP_CONSTANTS = dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
 
@@ -111,20 +113,61 @@ def test_gguf_matches_llama_cpp(files, out_type):
     assert relative_error(moeswap_logits(path), llama_cpp_logits(path)) <= 1e-4
 
 
-def test_tools_and_store_know_the_family(files):
-    """doctor finds nothing, inspect sees the interleaved dense and MoE layers, the shared
-    expert is a shared weight, and offload at one expert slot per layer gives the resident
-    model's logits bit for bit."""
+@pytest.mark.llama_cpp
+def test_gguf_chunks_and_temperature_follow_llama_cpp_past_8192(files):
+    """llama.cpp's constants act from position 8191 on: the last 32 of 8216 positions give
+    llama.cpp's logits on the f32 file (1e-5 to 7.5e-5 past the boundary, 2e-6 before it: RoPE
+    angles in float64 against ggml's float32, docs/ARCHITECTURES.md). On the q8_0 file those
+    differences, there before the boundary too, cross Q8_0 rounding steps (about 1e-2), so it is
+    left to the 16-token check."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    path = files[2]["f32"]
+    ids = torch.randint(0, tiny_models.VOCAB, (LONG,), generator=torch.Generator().manual_seed(2))
+    model = load_model(path)
+    cache = model.new_cache()
+    for start in range(0, LONG - 32, 2048):
+        model.forward([ids[start:min(start + 2048, LONG - 32)]], [cache], last_only=True)
+    ours = model.forward([ids[LONG - 32:]], [cache])[0]  # [32, V]
+    llm = llama_cpp.Llama(str(path), n_ctx=LONG + 64, n_batch=1024, n_ubatch=1024,
+                          logits_all=True, type_k=0, type_v=0, flash_attn=False, n_threads=2,
+                          verbose=False)
+    llm.eval(ids.tolist())
+    assert relative_error(ours, llm.scores[LONG - 32:LONG]) <= 1e-4
+
+
+def test_run_refuses_a_file_it_cannot_run_in_one_line(files, tmp_path, capsys):
+    from gguf_builders import replace_once
+    from moeswap.cli import main
+
+    path = tmp_path / "no_step.gguf"
+    shutil.copy(files[2]["q8_0"], path)
+    replace_once(path, b"llama4.interleave_moe_layer_step", b"llama4.interleave_moe_layer_stex")
+    assert main(["run", str(path), "-p", "hi", "-n", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'llama4.interleave_moe_layer_step'" in err
+
+
+def test_tools_and_store_know_the_family(files, capsys, monkeypatch):
+    """doctor finds nothing, inspect sees the interleaved dense and MoE layers and the shared
+    expert (a shared weight to the store and the planner), plan runs, and offload at one expert
+    slot per layer gives the resident model's logits bit for bit."""
     from moeswap.experts.store import shared_bytes
     from moeswap.gguf_tools.doctor import diagnose
     from moeswap.gguf_tools.inspect import inspect_file
     from moeswap.models.quant_experts import QuantResidentExperts
+    from moeswap.cli import main
     from moeswap.planner.sizes import model_sizes
     from test_expert_store import decode_logits, plan, store_model
 
     path = files[2]["q8_0"]
     assert diagnose(path).findings == []
     assert [row.kind for row in inspect_file(path).layers] == ["dense", "moe", "dense", "moe"]
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+    assert main(["inspect", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1 / 4 / 1 (tensors)" in out and "sigmoid weights on the expert input (default)" in out
+    assert main(["plan", str(path), "--host-mem", "1GiB", "-c", "256"]) == 0
+    assert "(llama4)" in capsys.readouterr().out
     gguf = GGUFFile.open(path)
     routed = sum(t.n_bytes for t in gguf.tensors if "_exps." in t.name)
     assert shared_bytes(gguf, [1, 3]) == sum(t.n_bytes for t in gguf.tensors) - routed

@@ -127,17 +127,35 @@ def _show(value) -> str:
     return "-" if value is None else str(value)
 
 
+# How ArchTraits.gating reads, and where one architecture's default says more.
+_DEFAULT_GATING = {"softmax": "softmax", "sigmoid": "sigmoid",
+                   "softmax_topk": "top-k logits, then softmax",
+                   "llama4": "top-k logits, sigmoid weights on the expert input"}
+
+
 def _gating_line(m) -> str:
     """The router's gating, renormalisation and scale; where a key is absent, llama.cpp's default
     for the architecture, marked as such."""
     traits = ARCH_TRAITS.get(m.architecture)
     gating, norm = m.gating_func_name, m.expert_weights_norm
     if gating is None and traits is not None:
-        gating = ("top-k logits, then softmax" if traits.gating == "softmax_topk" else "softmax") + \
-            " (default)"
+        gating = _DEFAULT_GATING.get(m.architecture, _DEFAULT_GATING[traits.gating]) + " (default)"
     if norm is None and traits is not None:
         norm = f"{traits.expert_weights_norm} (default)"
     return f"{_show(gating)}, weights norm {_show(norm)}, scale {_show(m.expert_weights_scale)}"
+
+
+def _shared_expert(report: InspectReport) -> tuple[str, str]:
+    """(count, width) of the shared expert from the keys; where a file has shared-expert tensors
+    but no keys (Llama 4, Qwen2-MoE), one expert as wide as its down projection's input."""
+    m = report.metadata
+    count, width = _show(m.expert_shared_count), _show(m.expert_shared_feed_forward_length)
+    down = next((t for t in report.tensors if t.name.endswith(".ffn_down_shexp.weight")), None)
+    if down is not None and m.expert_shared_count is None:
+        count = "1 (tensors)"
+    if down is not None and m.expert_shared_feed_forward_length is None:
+        width = str(down.shape[0])
+    return count, width
 
 
 def render(report: InspectReport, console: Console, with_tensors: bool = False) -> None:
@@ -152,10 +170,11 @@ def render(report: InspectReport, console: Console, with_tensors: bool = False) 
     summary.add_row("layout", "MoE" if report.is_moe else "dense (no routed experts)")
     summary.add_row("blocks / n_embd", f"{_show(m.block_count)} / {_show(m.n_embd)}")
     if report.is_moe:
+        shared_count, shared_width = _shared_expert(report)
         summary.add_row("experts (used / total / shared)", f"{_show(m.expert_used_count)} / "
-                        f"{_show(m.expert_count)} / {_show(m.expert_shared_count)}")
+                        f"{_show(m.expert_count)} / {shared_count}")
         summary.add_row("expert FFN width (shared)", f"{_show(report.expert_width)} "
-                        f"({_show(m.expert_shared_feed_forward_length)})")
+                        f"({shared_width})")
         summary.add_row("gating", _gating_line(m))
         summary.add_row("leading dense layers", _show(m.leading_dense_block_count))
     totals = report.totals
