@@ -7,7 +7,7 @@ prefix-match hit" line for that request. What a multi-turn client sees of prefix
 
     moeswap bench -o DIR --suite server --chat-turns 3 --model M.gguf --ctx 4096 \\
         --max-tokens 32 --first-tokens 1500 --threads 2 [--engines moeswap,llama-cpp-python]
-        [--serve-args "--kv-type f32"]
+        [--serve-args "--chat-template gemma"] [--peer-args "--chat_format gemma"]
 
 Each engine runs in its own worker (moeswap.bench.worker): it starts its server (one
 sequence: `moeswap serve --max-batch 1`, llama-cpp-python's single context; --ctx positions,
@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
                    help="--chat-turns: CPU threads for both servers (default: theirs)")
     p.add_argument("--engines", default=",".join(ENGINES),
                    help=f"--chat-turns: which servers, comma-separated ({','.join(ENGINES)})")
+    p.add_argument("--peer-args", default="", metavar="FLAGS",
+                   help="--chat-turns: more `python -m llama_cpp.server` flags, e.g. "
+                        "\"--chat_format gemma\" beside --serve-args \"--chat-template gemma\"")
 
 
 def first_message(model: str, n_tokens: int) -> str:
@@ -67,14 +70,16 @@ def first_message(model: str, n_tokens: int) -> str:
 
 
 def server_command(engine: str, model: str, port: int, ctx: int, threads: int | None,
-                   serve_flags: list[str]) -> list[str]:
+                   flags: list[str]) -> list[str]:
+    """``flags``: more of that server's own flags (--serve-args or --peer-args)."""
     if engine == "moeswap":
         return [sys.executable, "-m", "moeswap", "serve", model, "--port", str(port), "--ctx",
                 str(ctx), "--max-batch", "1", *(["--threads", str(threads)] if threads else []),
-                *serve_flags]
+                *flags]
     return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--n_ctx", str(ctx),
-            *(["--n_threads", str(threads), "--n_threads_batch", str(threads)] if threads else [])]
+            *(["--n_threads", str(threads), "--n_threads_batch", str(threads)] if threads else []),
+            *flags]
 
 
 def wait_for_models(server: subprocess.Popen, url: str, log: Path, seconds: float = 600) -> str:
@@ -107,7 +112,7 @@ def logged_prefix_hit(log: Path, start: int) -> int | None:
 
 
 def chat_turns(engine: str, model: str, ctx: int, threads: int | None, first: str, turns: int,
-               max_tokens: int, serve_flags: list[str], log_dir: str) -> dict:
+               max_tokens: int, flags: list[str], log_dir: str) -> dict:
     """One engine's chat, in a worker: start its server, warm it up, send the turns, stop it."""
     import socket
 
@@ -119,7 +124,7 @@ def chat_turns(engine: str, model: str, ctx: int, threads: int | None, first: st
     url = f"http://127.0.0.1:{port}"
     log = Path(log_dir) / f"{engine}.log"
     with open(log, "w") as out:
-        server = subprocess.Popen(server_command(engine, model, port, ctx, threads, serve_flags),
+        server = subprocess.Popen(server_command(engine, model, port, ctx, threads, flags),
                                   stdout=out, stderr=subprocess.STDOUT)
     try:
         served = wait_for_models(server, url, log)
@@ -173,7 +178,7 @@ def run(args, out_dir: Path) -> tuple[dict, str]:
     if unknown or not engines:
         raise MoeswapError(f"--engines: {', '.join(unknown) or 'none given'}; choose from "
                            f"{', '.join(ENGINES)}")
-    serve_flags = shlex.split(args.serve_args)
+    serve_flags, peer_flags = shlex.split(args.serve_args), shlex.split(args.peer_args)
     taken = [w for w in serve_flags if w.split("=", 1)[0] in SET_HERE]
     if taken:
         raise MoeswapError(f"--serve-args may not set {', '.join(taken)}: the suite sets it "
@@ -186,7 +191,8 @@ def run(args, out_dir: Path) -> tuple[dict, str]:
     for engine in engines:
         r = run_call("moeswap.bench.suites.server_chat:chat_turns", dict(
             engine=engine, model=model, ctx=args.ctx, threads=args.threads, first=first,
-            turns=args.chat_turns, max_tokens=args.max_tokens, serve_flags=serve_flags,
+            turns=args.chat_turns, max_tokens=args.max_tokens,
+            flags=serve_flags if engine == "moeswap" else peer_flags,
             log_dir=str(logs)), logs, engine, args.timeout)
         if r.pop("status") != "ok":
             raise MoeswapError(f"{engine}: {r['failure']}: {r['error']} (log: {logs / engine}.log)")
@@ -196,7 +202,8 @@ def run(args, out_dir: Path) -> tuple[dict, str]:
                            turns[0]["seconds"] / (sum(later) / len(later)) if later else None}
     body = {"mode": "chat turns", "model": model, "ctx": args.ctx, "threads": args.threads,
             "max_tokens": args.max_tokens, "first_tokens": args.first_tokens,
-            "moeswap_flags": ["--max-batch", "1", *serve_flags], "engines": results}
+            "moeswap_flags": ["--max-batch", "1", *serve_flags], "peer_flags": peer_flags,
+            "engines": results}
     return body, report_text(body)
 
 
@@ -205,7 +212,8 @@ def report_text(body: dict) -> str:
     lines = [f"{Path(body['model']).name}: a {len(next(iter(engines.values()))['turns'])}-turn "
              f"chat, first message {body['first_tokens']}+ tokens, {body['max_tokens']} reply "
              f"tokens per turn, greedy, --ctx {body['ctx']}, threads "
-             f"{body['threads'] or 'default'}; moeswap serve {' '.join(body['moeswap_flags'])}",
+             f"{body['threads'] or 'default'}; moeswap serve {' '.join(body['moeswap_flags'])}"
+             + (f"; llama_cpp.server {' '.join(body['peer_flags'])}" if body["peer_flags"] else ""),
              "", "| turn | " + " | ".join(f"{e} prompt tokens | {e} cached | {e} s"
                                          for e in engines) + " |",
              "|---" * (1 + 3 * len(engines)) + "|"]
