@@ -113,6 +113,26 @@ def test_gguf_matches_llama_cpp(files, out_type):
     assert relative_error(moeswap_logits(path), llama_cpp_logits(path)) <= 1e-4
 
 
+def test_trace_records_the_interleaved_layers_choices(files):
+    """A routing trace holds MoE layers 1 and 3 only, each token's expert the one transformers'
+    router picks (its largest logit), weighted by that logit's sigmoid."""
+    from moeswap.routing.recorder import RoutingRecorder
+
+    reference, hf_dir, _ = files
+    recorder = RoutingRecorder()
+    model = load_model(hf_dir, recorder=recorder)
+    model.forward([PROMPT], [model.new_cache()])
+    trace = recorder.trace(model="llama4", arch="llama4", layers=model.config.moe_layers,
+                           n_experts=4, k=1, prompt_names=["p"])
+    with torch.no_grad():
+        logits = reference(PROMPT[None], output_router_logits=True).router_logits  # per MoE layer
+    assert trace.layers.tolist() == [1, 3] and len(logits) == 2
+    for column, layer_logits in enumerate(logits):
+        assert trace.expert_ids[:, column, 0].tolist() == layer_logits.argmax(-1).tolist()
+        expected = torch.sigmoid(layer_logits.max(-1).values)  # [T]
+        assert torch.allclose(torch.from_numpy(trace.weights[:, column, 0]), expected, atol=1e-6)
+
+
 @pytest.mark.llama_cpp
 def test_gguf_chunks_and_temperature_follow_llama_cpp_past_8192(files):
     """llama.cpp's constants act from position 8191 on: the last 32 of 8216 positions give
