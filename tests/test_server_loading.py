@@ -131,3 +131,38 @@ def test_the_command_plans_for_its_batch_and_summarizes_the_budget_and_the_page(
     assert re.search(rf"^moeswap serve: page at {re.escape(url)}/$", log, re.M), log
     assert '"POST /v1/completions HTTP/1.1" 200' in log  # INFO: the request a user sent
     assert not re.search(r'"GET /(health|v1/moeswap/experts) HTTP', log)  # the polling: DEBUG
+
+
+def test_the_plan_charges_every_batch_slots_cache():
+    """auto_plan for serve's --max-batch contexts: the KV line is that many times one's."""
+    from moeswap.planner.auto import Machine, auto_plan
+    from moeswap.planner.rates import plan_rates
+
+    machine = Machine(total_ram=8 << 30, free_ram=4 << 30)
+    one, eight = (auto_plan(moeswap.DEFAULT_MODEL, 512, machine, plan_rates({}), kv_type="f16",
+                            sequences=n).plan for n in (1, 8))
+    assert eight.kv_bytes == 8 * one.kv_bytes > 0
+    assert eight.budget.batch == 8 and eight.host_charged > one.host_charged
+
+
+def test_chat_on_a_dense_model_plans_and_summarizes_weights_kv_and_working_memory(tmp_path,
+                                                                                   monkeypatch,
+                                                                                   capsys):
+    import io
+
+    import tiny_models
+    from moeswap.cli import main
+    from moeswap.gguf_tools.convert import convert
+
+    tiny_models.save("gemma3", tmp_path / "hf")
+    dense = convert(tmp_path / "hf", tmp_path / "dense.q8_0.gguf", "q8_0")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["chat", str(dense), "-c", "64", "-t", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "plan auto: a dense model: every weight stays in RAM" in err
+    runtime = moeswap.load(dense, threads=1)
+    charge = HostCharge.for_sequence(64, 64, "f16")
+    weights = sum(t.n_bytes for t in runtime.model.source.tensors)
+    assert (f"moeswap chat: memory: a dense model, every weight in RAM (no expert store): shared "
+            f"weights {format_size(weights)}, KV cache {format_size(charge.kv_bytes(runtime.config))}"
+            f" (f16), working memory {format_size(charge.working_bytes(runtime.config))}\n") in err
