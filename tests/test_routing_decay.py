@@ -166,7 +166,9 @@ def test_decay_in_the_store_gives_the_logits_of_lru_and_of_the_resident_model(tm
         model, factory = store_model(path, 3, policy=spec)
         assert isinstance(factory.store.residency.policies["host"], DecayAdmit)
         assert torch.equal(decode_logits(model), expected), spec
-        assert factory.stats()["total"]["requests"] > 0
+        total = factory.stats()["total"]
+        # misses beyond the 3 first fills and the evictions bypassed the cache
+        assert total["disk_misses"] > 3 + total["host_evictions"] > 3, total
 
 
 def test_gap_suite_reports_the_primary_halves_and_says_what_it_skipped(tmp_path, capsys):

@@ -8,9 +8,9 @@ miss is admitted only if its own score (this use included) is at least the victi
 bypasses the cache, as an expert seldom used should not push out one often used (TinyLFU,
 Einziger et al. 2017). Scores are kept for every expert seen, resident or not.
 
-Scores only change by a common factor as time passes, so each is stored as log2(score) plus
-now / half_life and compared without decaying anything: a request costs O(1), a miss with
-full slots one pass over the residents (as LRU's victim search here).
+Decayed uses only change by a common factor as time passes, so each is stored as log2(uses) plus
+now / half_life and decayed only when compared: a request costs O(1), a miss with full slots
+one vectorised pass over the residents.
 
 ``fit_decay`` chooses the half-life and the prior's weight on a trace: the prior is learned
 on one half and replayed on the other, so the choice is made out of sample.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,8 +30,8 @@ from moeswap.routing.simulate import simulate
 from moeswap.routing.stats import popularity
 from moeswap.routing.traces import RoutingTrace
 
-HALF_LIVES = (4.0, 16.0, 64.0)  # tokens; fit_decay picks one
-PRIOR_WEIGHTS = (0.0, 0.5)  # uses credited at average popularity; fit_decay picks one
+HALF_LIVES = (4.0, 16.0, 64.0, 256.0)  # tokens; fit_decay picks one
+PRIOR_WEIGHTS = (0.0, 0.5, 2.0)  # uses credited at average popularity; fit_decay picks one
 FIT_REQUESTS = 24_576  # requests of the scored half that a fit replays per candidate and capacity
 
 
@@ -55,8 +54,11 @@ class DecayAdmit(CachePolicy):
     """Evicts the resident with the lowest decayed score; a miss scoring below that victim bypasses.
 
     ``k``: requests per token and layer (the clock counts tokens of each key's layer, as
-    ``LearnedReuse``'s); ``prior_of(key)``: the key's prior credit (``popularity_prior``);
-    ``layer_of(key)``: the key's layer (one for a per-layer cache).
+    ``LearnedReuse``'s; a global cache's layers advance together, a token at a time, so their
+    clocks share a scale); ``prior_of(key)``: the key's prior credit (``popularity_prior``);
+    ``layer_of(key)``: the key's layer (one for a per-layer cache). The residents' scores sit
+    in arrays, one entry per slot, so that a victim costs one vectorised pass, not a Python
+    call per resident (the store may hold hundreds).
     """
 
     name = "decay"
@@ -68,51 +70,70 @@ class DecayAdmit(CachePolicy):
         if half_life <= 0:
             raise ValueError(f"half_life must be > 0, got {half_life}")
         self.k, self.rate, self.prior_of, self.layer_of = k, 1.0 / half_life, prior_of, layer_of
-        self._requests: Counter = Counter()  # per layer
         self._log_score: dict = {}  # key -> log2(decayed uses) + (token of last use) / half_life
-        self._last_use: dict = {}  # resident key -> request count when last used, for ties
+        self._layer_index: dict = {}  # layer -> its entry in _requests and _now
+        self._requests: list[int] = []  # per layer
+        self._now = np.zeros(0)  # [layers] the current token / half_life, per layer
+        self._slot: dict = {}  # resident key -> its slot
+        self._keys: list = []  # [slots] the key in each slot
+        self._base = np.zeros(capacity)  # [slots] _log_score of each slot's key
+        self._prior = np.zeros(capacity)  # [slots] its prior credit
+        self._layer = np.zeros(capacity, dtype=np.int64)  # [slots] its layer's entry
+        self._last = np.zeros(capacity, dtype=np.int64)  # [slots] request count at its last use
         self._clock = 0
 
     def resident(self) -> set:
-        return set(self._last_use)
+        return set(self._slot)
 
     def __contains__(self, key):
-        return key in self._last_use
+        return key in self._slot
 
     def __len__(self):
-        return len(self._last_use)
+        return len(self._slot)
 
-    def _score(self, key: Key, now_scaled: float) -> float:
-        log_score = self._log_score.get(key)
-        uses = 0.0 if log_score is None else 2.0 ** (log_score - now_scaled)
-        return uses + self.prior_of(key)
+    def _tick(self, key: Key) -> int:
+        """Count the request on its layer's clock -> that layer's entry."""
+        layer = self.layer_of(key)
+        index = self._layer_index.get(layer)
+        if index is None:
+            index = self._layer_index[layer] = len(self._requests)
+            self._requests.append(0)
+            self._now = np.append(self._now, 0.0)
+        self._requests[index] += 1
+        self._now[index] = (self._requests[index] - 1) // self.k * self.rate
+        return index
+
+    def _place(self, slot: int, key: Key, layer: int) -> None:
+        self._slot[key] = slot
+        self._base[slot], self._prior[slot] = self._log_score[key], self.prior_of(key)
+        self._layer[slot], self._last[slot] = layer, self._clock
 
     def access(self, key):
-        layer = self.layer_of(key)
-        self._requests[layer] += 1
+        layer = self._tick(key)
         self._clock += 1
-        now_scaled = (self._requests[layer] - 1) // self.k * self.rate
+        now_scaled = self._now[layer]
         log_score = self._log_score.get(key)
         uses = 1.0 + (0.0 if log_score is None else 2.0 ** (log_score - now_scaled))
         self._log_score[key] = math.log2(uses) + now_scaled
-        if key in self._last_use:
-            self._last_use[key] = self._clock
+        slot = self._slot.get(key)
+        if slot is not None:
+            self._base[slot], self._last[slot] = self._log_score[key], self._clock
             return HIT
         if self.capacity == 0:
             return BYPASS
-        if len(self._last_use) < self.capacity:
-            self._last_use[key] = self._clock
+        if len(self._keys) < self.capacity:
+            self._keys.append(key)
+            self._place(len(self._keys) - 1, key, layer)
             return Access(hit=False, admitted=True)
-        # every key of a per-layer cache shares one clock; a global cache's layers advance
-        # together, a token at a time, so one clock per candidate's own layer is the same scale
-        victim = min(self._last_use, key=lambda r: (
-            self._score(r, (self._requests[self.layer_of(r)] - 1) // self.k * self.rate),
-            self._last_use[r]))
-        victim_now = (self._requests[self.layer_of(victim)] - 1) // self.k * self.rate
-        if self._score(key, now_scaled) < self._score(victim, victim_now):
+        scores = np.exp2(self._base - self._now[self._layer]) + self._prior  # [slots]
+        lowest = np.flatnonzero(scores == scores.min())
+        slot = int(lowest[np.argmin(self._last[lowest])])  # ties: the least recently used
+        if uses + self.prior_of(key) < scores[slot]:
             return BYPASS
-        del self._last_use[victim]
-        self._last_use[key] = self._clock
+        victim = self._keys[slot]
+        del self._slot[victim]
+        self._keys[slot] = key
+        self._place(slot, key, layer)
         return Access(hit=False, admitted=True, evicted=victim)
 
 

@@ -9,12 +9,16 @@ with a profile of the other; the real traces of ../shared/traces are paired as t
 suite pairs them (skipped, and said so, where that folder is absent). Per-layer caches of
 k+1 to E/2 experts, requests in token order. Every learned statistic (the learned policy's
 reuse table and window, the decay policy's half-life, prior weight and popularity prior)
-comes from the profile of the other trace or half. A simulation: nothing is timed.
+comes from the profile of the other trace or half. The one timing, ``access_cost``, is the
+policies' own cost per request in the store's setting (one global cache keyed (layer, expert),
+requests as a decoding engine makes them).
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 from moeswap.bench.suites import traces as shared_traces
@@ -98,6 +102,32 @@ def gap_summary(hits: dict, requests: dict, caps: list[int]) -> dict:
     }
 
 
+def access_cost(trace, repeats: int = 5, max_requests: int = 100_000) -> dict:
+    """Microseconds per ``access`` of LRU and decay (with a prior), as the store calls them: one
+    cache of L x E/2 slots keyed (layer, expert), the trace's first ``max_requests`` requests
+    token by token, as a decoding engine makes them (a prefill's one request per distinct
+    expert would be far fewer); policies interleaved, ``repeats`` times, medians."""
+    from moeswap.routing import policies as p
+    from moeswap.routing.decay import DecayFit, decay_factory
+    from moeswap.routing.simulate import CacheContext, global_requests
+    from moeswap.routing.stats import popularity
+
+    stream = global_requests(trace, "token")[:max_requests]
+    ctx = CacheContext(trace.n_layers * trace.n_experts // 2, stream, None, trace.k)
+    makers = {"lru": lambda: p.LRU(ctx.capacity),
+              "decay": lambda: decay_factory(DecayFit(16.0, 0.5), popularity(trace))(ctx)}
+    times: dict = {name: [] for name in makers}
+    for _ in range(repeats):
+        for name, make in makers.items():
+            access = make().access
+            start = time.perf_counter()
+            for key in stream:
+                access(key)
+            times[name].append((time.perf_counter() - start) / len(stream) * 1e6)
+    return {"slots": ctx.capacity, "requests": len(stream),
+            "us_per_access": {name: statistics.median(t) for name, t in times.items()}}
+
+
 def _share(value: float | None) -> str:
     return "–" if value is None else f"{value:.1%}"
 
@@ -135,8 +165,16 @@ def markdown(pairs: list[dict], skipped: str) -> str:
 
 
 def run(args, out_dir: Path) -> tuple[dict, str]:
+    from moeswap.routing.traces import RoutingTrace
+
     primary, traces_dir = Path(args.primary).expanduser(), Path(args.traces).expanduser()
     found, skipped = scoring_pairs(primary, traces_dir)
     pairs = [{"label": label, **pair_report(scored, learning)} for label, scored, learning in found]
+    cost = access_cost(RoutingTrace.load(primary))
+    text = markdown(pairs, skipped) + (
+        "\nCost per request (`access`, µs, median of 5): " + ", ".join(
+            f"{name} {us:.2f}" for name, us in cost["us_per_access"].items())
+        + f"; one global cache of {cost['slots']} slots, {cost['requests']} requests of the "
+          "primary trace token by token.\n")
     return {"primary": str(primary), "traces": str(traces_dir), "skipped": skipped,
-            "pairs": pairs}, markdown(pairs, skipped)
+            "pairs": pairs, "access_cost": cost}, text
