@@ -7,7 +7,8 @@ grid then shows that step's experts). --background N sends N other completions a
 time, so that the page shows a batch.
 
     python scripts/screenshot_server_page.py moeswap/data/stdlib-moe-q8_0.gguf \
-        docs/images/server-page.png --prompt "def parse_args(" --host-mem 20MiB --threads 1
+        docs/images/server-page.png --prompt "def parse_args(" --host-mem 20MiB --ctx 256 \
+        --step-tokens 64 --threads 1
 """
 
 from __future__ import annotations
