@@ -150,9 +150,7 @@ def store_model(path, host_slots: int, **options):
     gguf = GGUFFile.open(path)
     config = config_from_gguf(gguf)
     slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in config.moe_layers])
-    settings = OffloadSettings(host_bytes=0, **options)
     fixed = shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot
-    fixed += (settings.read_depth + 2) * BOUNCE_BYTES if settings.cold_reads else 0
     factory = build_store(OffloadSettings(host_bytes=fixed + host_slots * slot, **options))
     return load_model(path, threads=1, expert_runner=factory), factory
 

@@ -7,7 +7,9 @@ process (and reclaims page by page when the limit binds) while the budgets never
 block (``DIRECT_ALIGNMENT`` covers 512- and 4096-byte blocks). A piece of an expert rarely
 starts on a block, so the aligned middle of a range is read straight into its target when the
 target's address and the file offset agree modulo the block, and the rest goes through a small
-aligned bounce buffer per thread (``BOUNCE_BYTES``, charged as staging by the store). Whether
+aligned bounce buffer per reading thread (``BOUNCE_BYTES``, allocated at its first cold read).
+They are not charged to ``--host-mem``: 1 MiB per reading thread and file, inside the
+runtime's reserve that ``--plan auto`` keeps back (moeswap.planner.auto). Whether
 ``O_DIRECT`` works is found per file: the open is refused on tmpfs, and a filesystem that
 accepts the flag may still refuse the reads (EINVAL); either way the file falls back to
 ``pread`` and drops what it read. Without ``cold`` every read is a plain ``pread`` through the

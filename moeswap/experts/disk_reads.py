@@ -19,7 +19,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from moeswap.experts.direct_io import BOUNCE_BYTES
 from moeswap.experts.tiers import DiskReader, slot_pieces
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
@@ -68,12 +67,6 @@ class ParallelReads:
         self._pool: ThreadPoolExecutor | None = None
         self._running, self._since = 0, 0.0
         self._lock = threading.Lock()
-
-    @property
-    def bounce_bytes(self) -> int:
-        """The aligned bounce buffers cold reads may hold: one per thread of this pool, the
-        store's own thread and the prefetch worker."""
-        return (self.depth + 2) * BOUNCE_BYTES if self.disk.cold else 0
 
     def submit(self, layout: ExpertLayout, expert: int, slot: np.ndarray,
                parts: list[ExpertPart] | None,

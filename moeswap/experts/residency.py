@@ -60,7 +60,7 @@ class Residency:
         # an approximation (moeswap.experts.lowbit): its copies are charged to the host budget
         self.lowbit = (LowBitCopies(gguf, layouts, settings.miss_lowbit)
                        if settings.miss_lowbit else None)
-        paid = (config, shared_bytes, self.staging.nbytes + self.reads.bounce_bytes,
+        paid = (config, shared_bytes, self.staging.nbytes,
                 self.lowbit.nbytes if self.lowbit is not None else 0)
         self.charge, charged = charge.terms(*paid), charge.bytes(*paid)
         if settings.host_bytes < charged:
