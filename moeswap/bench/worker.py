@@ -29,20 +29,22 @@ def run_isolated(spec: RunSpec, folder: Path, name: str, timeout_s: float | None
 
 
 def run_call(function: str, kwargs: dict, folder: Path, name: str,
-             timeout_s: float | None = None) -> dict:
+             timeout_s: float | None = None, cgroup=None) -> dict:
     """``function`` ("module:name") called with ``kwargs`` in a worker -> its dict with status
-    "ok", or a failure as ``run_isolated`` records it."""
-    return run_job({"call": function, "kwargs": kwargs}, folder, name, timeout_s)
+    "ok", or a failure as ``run_isolated`` records it; ``cgroup``: a
+    moeswap.bench.cgroup.MemoryCgroup the worker joins before it starts."""
+    return run_job({"call": function, "kwargs": kwargs}, folder, name, timeout_s, cgroup)
 
 
-def run_job(job: dict, folder: Path, name: str, timeout_s: float | None) -> dict:
+def run_job(job: dict, folder: Path, name: str, timeout_s: float | None, cgroup=None) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     spec_path, result_path = folder / f"{name}.spec.json", folder / f"{name}.result.json"
     spec_path.write_text(json.dumps(job))
     result_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "moeswap.bench.worker", str(spec_path), str(result_path)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                              preexec_fn=None if cgroup is None else cgroup.enter)
     except subprocess.TimeoutExpired:
         return failed("timeout", f"still running after {timeout_s:.0f} s; stopped")
     if result_path.exists():

@@ -47,6 +47,13 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=900, metavar="S",
                    help="a run still going after S seconds is stopped and recorded (900)")
     add_offload_arguments(p)
+    p.add_argument("--memory-limit", metavar="SIZE[,SIZE...]",
+                   help="instead of the scenarios: each engine's worker in a memory cgroup of "
+                        "each SIZE (made under this process's cgroup, removed after), moeswap's "
+                        "budgets planned from it, llama.cpp mmap (and --mlock where the file "
+                        "fits) with --compare; one prompt of --prompt-tokens (41) random ids, "
+                        "--gen-tokens (32) greedy steps; tokens/s, hit rate, bytes read per "
+                        "token, the cgroup's peak and failcnt, and the floor")
     p.add_argument("--suite", nargs=argparse.REMAINDER,
                    help="run a suite instead of the scenarios; everything after NAME is the "
                         "suite's (`moeswap bench --suite NAME --help`): "
@@ -92,6 +99,29 @@ def run_suite_command(words: list[str], output: str | None) -> int:
     return 0 if body.get("passed", True) else 1
 
 
+def run_memory_limit_command(args) -> int:
+    import torch
+
+    import moeswap
+    from moeswap.bench.memory_limits import run_limits
+    from moeswap.bench.report import write_suite_report
+    from moeswap.bench.scenarios import ModelFacts
+    from moeswap.memory import parse_size
+
+    model = str(args.model or moeswap.DEFAULT_MODEL)
+    limits = [parse_size(size) for size in args.memory_limit.split(",") if size.strip()]
+    n_vocab = ModelFacts.of(model).config.n_vocab
+    prompt = torch.randint(3, n_vocab, (args.prompt_tokens or 41,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    out = Path(args.output)
+    body, text = run_limits(model, limits, args.threads, prompt, args.gen_tokens or 32,
+                            bool(args.compare), args.replay_routing, args.prefetch, out,
+                            args.timeout, say=lambda line: print(line, file=sys.stderr))
+    write_suite_report(out, "memory-limit", command_line(), body, text)
+    print(text)
+    return 0 if all(row["status"] == "ok" for row in body["rows"]) else 1
+
+
 def run_bench_command(args) -> int:
     from dataclasses import replace
 
@@ -106,6 +136,8 @@ def run_bench_command(args) -> int:
         return run_suite_command(args.suite, args.output)
     if args.output is None:
         raise MoeswapError("-o/--output DIR is required: where the report goes")
+    if args.memory_limit:
+        return run_memory_limit_command(args)
     scenarios = tuple(s.strip() for s in args.scenarios.split(",") if s.strip())
     unknown = [s for s in scenarios if s not in SCENARIOS]
     if unknown or not scenarios:

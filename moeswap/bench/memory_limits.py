@@ -1,0 +1,145 @@
+"""``moeswap bench --memory-limit SIZE[,SIZE...]``: moeswap and llama.cpp under the same memory
+limit, each worker in a memory cgroup of that size (moeswap.bench.cgroup), beside the floor.
+
+Per limit and engine: the model file is dropped from the page cache, a cgroup made under the
+benchmark's own, the worker (moeswap.bench.limited_runs) run in it, its peak and failure counts
+read, the cgroup removed. moeswap plans its budgets from the limit (`--plan auto`'s planner
+sees the cgroup) and reads cold; llama.cpp maps the file, and also runs with ``--mlock`` where
+the file fits in the limit. A limit no cgroup can be made for is said so and its rows skipped.
+
+The floor of a decode token, with reads overlapped with compute: max(bytes read from storage /
+the cold-read rate, bytes computed / the rate CPU products stream stored weights), the rates
+`moeswap probe`'s (else the planner's conservative defaults, named in the report). Bytes read
+are the run's own (``/proc/self/io``); bytes computed are what one token's products read:
+every shared weight but a token-embedding table that is not also the output head, and top-k
+routed experts per MoE layer (the KV cache, small at these contexts, is left out).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from moeswap.bench.cgroup import MemoryCgroup, NoCgroup
+from moeswap.bench.scenarios import ModelFacts
+from moeswap.bench.worker import run_call
+from moeswap.planner.cgroup_memory import CGROUP_ROOT, SELF_CGROUP
+
+RUNS = "moeswap.bench.limited_runs"
+
+
+def computed_bytes_per_token(path: str) -> int:
+    from moeswap.experts.store import routed_bytes
+    from moeswap.formats.gguf_file import GGUFFile
+
+    facts, gguf = ModelFacts.of(path), GGUFFile.open(path)
+    embedding = gguf.tensor("token_embd.weight")
+    untied = embedding is not None and gguf.tensor("output.weight") is not None
+    expert = routed_bytes(gguf, facts.config.moe_layers) // (facts.moe_layers * facts.n_expert)
+    return (facts.shared_bytes - (embedding.n_bytes if untied else 0)
+            + facts.n_used * facts.moe_layers * expert)
+
+
+def drop_from_page_cache(path: str) -> None:
+    """Evict the file's pages so no run starts with what an earlier one read."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def engines(facts: ModelFacts, limit: int, compare: bool, replay: str | None,
+            prefetch: str) -> list[tuple[str, str, dict]]:
+    """(label, worker function, its keyword arguments) of each run at ``limit``."""
+    runs = [("moeswap" + (", replayed routing" if replay else ""), "moeswap_run",
+             {"replay_routing": replay, "prefetch": prefetch})]
+    if compare:
+        runs.append(("llama.cpp mmap", "llama_run", {"mlock": False}))
+        if facts.file_bytes < limit:
+            runs.append(("llama.cpp mmap + mlock", "llama_run", {"mlock": True}))
+    return runs
+
+
+def floor_row(result: dict, computed: int, rates) -> dict:
+    """Per decode token: seconds of the floor, the run's seconds, and their ratio."""
+    read = result.get("read_bytes_per_token") or 0
+    floor_s = max(read / rates.disk_read, computed / rates.host_compute)
+    measured_s = 1 / result["decode_tok_s"]
+    return {"floor_tok_s": 1 / floor_s, "of_floor": floor_s / measured_s}
+
+
+def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], gen_tokens: int,
+               compare: bool, replay: str | None, prefetch: str, out: Path,
+               timeout_s: float, say=print, cgroup_root: Path = CGROUP_ROOT,
+               self_cgroup: Path = SELF_CGROUP) -> tuple[dict, str]:
+    """Every engine at every limit -> (the report's body, its markdown table); the cgroup
+    filesystem's paths are parameters for tests."""
+    from moeswap.planner.rates import plan_rates
+
+    planned = plan_rates({})
+    facts, rates = ModelFacts.of(model), planned.rates
+    computed = computed_bytes_per_token(model)
+    rows, notes = [], []
+    for limit in limits:
+        for label, function, extra in engines(facts, limit, compare, replay, prefetch):
+            name = f"{label} at {limit >> 20} MiB"
+            try:
+                cgroup = MemoryCgroup.create(limit, f"moeswap-bench-{os.getpid()}", cgroup_root,
+                                             self_cgroup)
+            except NoCgroup as e:
+                notes.append(f"{limit >> 20} MiB: no memory cgroup can be made here ({e}); "
+                             "its rows are skipped")
+                break
+            say(f"{name} ...")
+            drop_from_page_cache(model)
+            try:
+                kwargs = {"model": model, "threads": threads, "prompt": prompt,
+                          "gen_tokens": gen_tokens, **extra}
+                result = run_call(f"{RUNS}:{function}", kwargs, out, name.replace(" ", "_"),
+                                  timeout_s, cgroup=cgroup)
+                result.update(cgroup.figures())
+            finally:
+                cgroup.remove()
+            row = {"limit_bytes": limit, "engine": label, **result}
+            if result["status"] == "ok":
+                row.update(floor_row(result, computed, rates))
+            rows.append(row)
+    body = {"model": model, "model_bytes": facts.file_bytes, "computed_bytes_per_token": computed,
+            "rates": {"disk_read": rates.disk_read, "host_compute": rates.host_compute,
+                      "source": planned.source}, "rows": rows, "notes": notes}
+    return body, table(body)
+
+
+def table(body: dict) -> str:
+    r = body["rates"]
+    lines = [(f"Model {body['model']} ({body['model_bytes'] / 2**20:.0f} MiB); floor from cold "
+              f"reads {r['disk_read'] / 1e9:.2f} GB/s and products over stored weights "
+              f"{r['host_compute'] / 1e9:.1f} GB/s ({r['source']}); computed per token "
+              f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
+             ("| limit MiB | engine | decode tok/s | prompt tok/s | hit rate | misses/token | "
+              "MiB read/token | cgroup peak MiB | failcnt | floor tok/s | of floor |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in body["rows"]:
+        head = f"| {row['limit_bytes'] >> 20} | {row['engine']} |"
+        if row["status"] != "ok":
+            lines.append(f"{head} {row['failure']}: {row['error']} |||||||||")
+            continue
+        counts = row.get("counts") or {}
+        requests = counts.get("requests")
+        hits = (counts.get("host_hits", 0) + counts.get("device_hits", 0)) if requests else None
+        misses = counts.get("disk_misses")
+        read = row.get("read_bytes_per_token")
+        lines.append(
+            f"{head} {row['decode_tok_s']:.2f} | {row['prompt_tok_s']:.2f} | "
+            + (f"{hits / requests:.1%} | {misses / row['decode_tokens']:.1f} | " if requests
+               else "- | - | ")
+            + ("- | " if read is None else f"{read / 2**20:.0f} | ")
+            + f"{_mib(row.get('cgroup_peak_bytes'))} | {row.get('cgroup_failcnt', '-')} | "
+            f"{row['floor_tok_s']:.2f} | {row['of_floor']:.0%} |")
+    return "\n".join(lines + [""] + [f"Note: {n}" for n in body["notes"]])
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
