@@ -223,7 +223,8 @@ def check_vocabulary(gf, view):
     rows = embd.shape[-1] if embd is not None and len(embd.shape) == 2 else None
     if rows is not None and rows != len(tokens):
         yield problem("bad-tokenizer", f"tokenizer.ggml.tokens holds {len(tokens)} tokens but "
-                                       f"'token_embd.weight' has {rows} rows")
+                                       f"'token_embd.weight' has shape {list(embd.shape)}: "
+                                       f"{rows} rows")
     bad = _invalid_utf8(tokens)
     if bad is not None:
         yield problem("bad-tokenizer", f"token {bad} of tokenizer.ggml.tokens is not valid UTF-8")
