@@ -27,8 +27,10 @@ def gguf_fields(path: Any, key: Callable[..., Any], fields: dict[str, Any]) -> N
     # llama.cpp's phimoe experts are feed_forward_length wide; no layer is dense.
     if not fields["n_ff_exp"]:
         fields["n_ff_exp"], fields["n_ff"] = fields["n_ff"], 0
-    # llama.cpp's phimoe loader never reads the sliding window the converter writes.
-    fields.update(sliding_window=0, swa_layers=())
+    # llama.cpp's phimoe loader never reads the sliding window the converter writes, and its
+    # graph hard-codes the routing: softmax, top-k renormalised, unscaled.
+    fields.update(sliding_window=0, swa_layers=(), expert_weights_norm=True,
+                  expert_weights_scale=1.0, n_expert_groups=0, n_expert_groups_used=0)
     fields["rope_mscale"] = float(key("rope.scaling.attn_factor", 1.0))
     fields["rope_orig_ctx"] = int(key("rope.scaling.original_context_length", 0)
                                   or fields["n_ctx_train"])
