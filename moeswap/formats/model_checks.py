@@ -194,8 +194,14 @@ def _short(value: Any) -> str:
 
 # --- vocabulary ---------------------------------------------------------------------------
 
-def _invalid_utf8(tokens: StringArray) -> int | None:
-    """Index of the first token that is not valid UTF-8, else None."""
+def _invalid_utf8(tokens: StringArray, end: int) -> int | None:
+    """Index of the first token that is not valid UTF-8, else None; ``end``: where the
+    array's bytes end in the file."""
+    try:  # at once: length prefixes under 128 are ASCII, which ends no UTF-8 sequence
+        bytes(tokens.buffer[tokens.start:end]).decode("utf-8")
+        return None
+    except UnicodeDecodeError:
+        pass  # an invalid token, or a prefix of 128 or more: find which, token by token
     offset = tokens.start
     for index in range(tokens.count):
         (length,) = struct.unpack_from("<Q", tokens.buffer, offset)
@@ -225,7 +231,7 @@ def check_vocabulary(gf, view):
         yield problem("bad-tokenizer", f"tokenizer.ggml.tokens holds {len(tokens)} tokens but "
                                        f"'token_embd.weight' has shape {list(embd.shape)}: "
                                        f"{rows} rows")
-    bad = _invalid_utf8(tokens)
+    bad = _invalid_utf8(tokens, gf.kv["tokenizer.ggml.tokens"].end)
     if bad is not None:
         yield problem("bad-tokenizer", f"token {bad} of tokenizer.ggml.tokens is not valid UTF-8")
     for key, kind in (("scores", "f"), ("token_type", "iu")):
