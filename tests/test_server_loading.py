@@ -56,6 +56,10 @@ def test_health_is_503_loading_until_the_load_ends_then_the_openai_client_is_ser
             client.models.list()
         page = httpx.get(url + "/v1/moeswap/experts", timeout=10)
         assert page.status_code == 503 and page.json()["error"]["type"] == "server_error"
+        for path, media in (("/", "text/html"), ("/page.js", "text/javascript")):
+            r = httpx.get(url + path, timeout=10)  # the page, which then says it is loading
+            assert r.status_code == 200 and r.headers["content-type"].startswith(media)
+        assert "The model is loading" in httpx.get(url + "/page.js", timeout=10).text
         release.set()
         assert wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code == 200, 30)
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"

@@ -3,8 +3,9 @@ request to the app the load built.
 
 `moeswap serve` binds its port and starts answering first, so that a client (or an
 orchestrator's health check) sees the server come up while a big model loads for minutes:
-GET /health answers 503 ``{"status": "loading"}`` and every other request 503 with OpenAI's
-error body (code ``model_loading``), until ``load()`` — run on a thread of its own — returns
+GET /health answers 503 ``{"status": "loading"}``, the web page's three files are served (they
+hold no data; the page says the model is loading), and every other request answers 503 with
+OpenAI's error body (code ``model_loading``), until ``load()`` — run on a thread of its own — returns
 the app; its lifespan (the batch scheduler) then starts and it serves everything. A load that
 fails ends the server; ``error`` holds what it raised.
 """
@@ -12,13 +13,15 @@ fails ends the server; ``error`` holds what it raised.
 from __future__ import annotations
 
 import asyncio
+import importlib.resources
 import threading
 from contextlib import AsyncExitStack
 from typing import Any, Callable
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from moeswap.server.api_errors import error_body
+from moeswap.server.state import PAGE_FILES
 
 LOADING_MESSAGE = "the model is still loading; retry once GET /health answers 200"
 
@@ -35,6 +38,9 @@ class LoadingGate:
         self.error: BaseException | None = None
         self._exit = AsyncExitStack()
         self._task: asyncio.Task | None = None
+        web = importlib.resources.files("moeswap.server") / "web"
+        self._page = {("/" if name == "index.html" else f"/{name}"): (web / name).read_bytes()
+                      for name in PAGE_FILES}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "lifespan":
@@ -43,8 +49,12 @@ class LoadingGate:
             return await self.app(scope, receive, send)
         if scope["type"] != "http":
             return await send({"type": "websocket.close", "code": 1013})  # try again later
-        if scope["path"] == "/health":
+        path = scope["path"]
+        if path == "/health":
             response = JSONResponse({"status": "loading"}, status_code=503)
+        elif path in self._page:
+            response = Response(self._page[path], media_type=PAGE_FILES[
+                "index.html" if path == "/" else path[1:]])
         else:
             response = JSONResponse(error_body(LOADING_MESSAGE, "server_error", "model_loading"),
                                     status_code=503, headers={"Retry-After": "1"})

@@ -131,6 +131,8 @@ async function poll() {
       } else if (response.ok) {
         show(await response.json());
         setStatus("");
+      } else if (response.status === 503 && !state.model) {  // serve answers while it loads
+        setStatus("The model is loading; this page fills in once it is ready.");
       } else {
         setStatus("expert cache: HTTP " + response.status);
       }
