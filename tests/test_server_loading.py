@@ -170,3 +170,15 @@ def test_chat_on_a_dense_model_plans_and_summarizes_weights_kv_and_working_memor
     assert (f"moeswap chat: memory: a dense model, every weight in RAM (no expert store): shared "
             f"weights {format_size(weights)}, KV cache {format_size(charge.kv_bytes(runtime.config))}"
             f" (f16), working memory {format_size(charge.working_bytes(runtime.config))}\n") in err
+
+
+def test_chat_without_a_model_chats_with_the_built_in_one(monkeypatch, capsys):
+    import io
+
+    from moeswap.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("import os\n"))
+    assert main(["chat", "-c", "128", "-t", "1", "-n", "4", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f"loaded {moeswap.DEFAULT_MODEL}: " in err
+    assert "moeswap chat: experts: all 96 in RAM (the mapped file)" in err
