@@ -74,3 +74,11 @@ def test_valid_per_layer_arrays_still_load(built_in, tmp_path, capsys):
     path = Corruption("per_layer_arrays", frozenset(), edit=per_layer).build(tmp_path, built_in)
     assert diagnose(path).findings == []
     assert main(["run", str(path), "-p", "def", "-n", "2", "--temp", "0"]) == 0
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_chat_and_serve_refuse_before_planning(command, files, capsys):
+    path = files["nan_in_router"]
+    assert main([command, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "[non-finite-values]" in err[0], err
