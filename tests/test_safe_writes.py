@@ -105,3 +105,28 @@ def test_a_writer_error_names_the_output_not_the_temporary_file(tmp_path):
         with atomic_output(out, "the output") as tmp:
             raise MoeswapError(f"{tmp}: boom")
     assert _leftovers(tmp_path) == [] and not out.exists()
+
+
+def test_fix_under_sigterm_removes_its_temporary_file_and_keeps_the_output(tmp_path,
+                                                                           monkeypatch):
+    import os
+    import signal
+
+    import moeswap.gguf_tools.fix as fix
+
+    source = next(m for m in MUTATIONS if m.name == "wrong_key_type_u64").build(tmp_path)
+    out = tmp_path / "fixed.gguf"
+    out.write_bytes(b"an earlier output")
+    write = fix._write
+
+    def killed_midway(gf, file, f, on_progress):
+        f.write(b"part of a header")
+        os.kill(os.getpid(), signal.SIGTERM)
+        write(gf, file, f, on_progress)
+
+    monkeypatch.setattr(fix, "_write", killed_midway)
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        fix_file(source, out)
+    assert out.read_bytes() == b"an earlier output" and _leftovers(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) == handler  # put back
