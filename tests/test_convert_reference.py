@@ -57,7 +57,7 @@ def test_same_file_as_reference_converter(tmp_path, family, out_type):
     ("deepseek2", "f32"), ("deepseek2", "q8_0"), ("deepseek2_lite", "f32"), ("deepseek3", "f32"),
     ("deepseek3", "q8_0"), ("gpt_oss", "f32"),
     ("gpt_oss", "q8_0"), ("gemma4", "f32"), ("gemma4", "q8_0"), ("gemma4_multimodal", "f32"),
-    ("glm4moe", "f32"), ("glm4moe", "q8_0")])
+    ("glm4moe", "f32"), ("glm4moe", "q8_0"), ("llama4_scout", "f32"), ("llama4_scout", "q8_0")])
 def test_same_tensors_as_reference_converter(tmp_path, family, out_type):
     folder = tmp_path / "hf"
     tiny_models.save(family, folder)

@@ -33,8 +33,6 @@ from tiny_models import relative_error
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
 LONG = 8192 + 24  # past llama.cpp's temperature step (position 8191) and first chunk (8192)
-# What llama.cpp's llama4 loader hard-codes (src/models/llama4.cpp), as transformers' keys.
-LLAMA_CPP_CONSTANTS = dict(attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
 
 pytestmark = pytest.mark.skipif(not Path(SCRIPT).is_file(), reason=(
     "set MOESWAP_LLAMA_CPP_CONVERT to llama.cpp's convert_hf_to_gguf.py (from the "
@@ -51,7 +49,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama_cpp_reference():
     """The same weights in transformers, with llama.cpp's chunk and temperature constants."""
-    return tiny_models.build("llama4", **LLAMA_CPP_CONSTANTS)
+    return tiny_models.build("llama4_scout")
 
 
 def test_the_files_carry_the_llama4_layout(files):
@@ -69,6 +67,13 @@ def test_the_files_carry_the_llama4_layout(files):
     folder = config_from_hf(hf_dir)
     assert (folder.sliding_window, folder.attn_temp_floor, folder.attn_temp_scale) == (6, 4, 0.5)
     assert folder.moe_layers == [1, 3] and folder.no_rope_layers == (False, False, False, True)
+    # Llama 3 scaling: the converter's rope_freqs are the folder's factors (1, blended, 8 ...)
+    from gguf import GGUFReader
+
+    rope_freqs = next(t for t in GGUFReader(paths["f32"]).tensors if t.name == "rope_freqs.weight")
+    factors = torch.tensor(folder.rope_factors)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0
+    assert torch.allclose(torch.from_numpy(rope_freqs.data.copy()), factors.float())
 
 
 def test_llama_cpp_reference_has_the_same_weights(files, llama_cpp_reference):
@@ -153,6 +158,16 @@ def test_gguf_chunks_and_temperature_follow_llama_cpp_past_8192(files):
                           verbose=False)
     llm.eval(ids.tolist())
     assert relative_error(ours, llm.scores[LONG - 32:LONG]) <= 1e-4
+
+
+def test_convert_refuses_a_folder_llama_cpp_would_run_differently(files, tmp_path):
+    """moeswap convert writes llama.cpp's file for llama4_scout (tests/test_convert_reference.py);
+    the tiny folder's chunks and temperature are not what llama.cpp would run."""
+    from moeswap.errors import MoeswapError
+    from moeswap.gguf_tools.convert import convert
+
+    with pytest.raises(MoeswapError, match="attention_chunk_size, attn_scale, floor_scale: not what"):
+        convert(files[1], tmp_path / "x.gguf", "f32")
 
 
 def test_run_refuses_a_file_it_cannot_run_in_one_line(files, tmp_path, capsys):

@@ -63,12 +63,17 @@ def _configs():
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                     "partial_rotary_factor": 0.5})
     # Llama 4's shape: 4 layers (layer 3 without RoPE), MoE every 2nd layer (1 and 3) beside a
-    # wider dense FFN, 4 experts top-1 and a shared expert; 6-position chunks and a temperature
-    # floor of 4 so that both act within a 16-token prompt (llama.cpp's GGUF hard-codes 8192).
+    # wider dense FFN, 4 experts top-1 and a shared expert, Llama 3 RoPE scaling (as Scout) over
+    # 64 original positions; 6-position chunks and a temperature floor of 4 so that both act
+    # within a 16-token prompt. "llama4_scout": the same with Scout's 8192 / 8192 / 0.1, which
+    # llama.cpp's GGUF hard-codes.
     llama4 = dict(COMMON, num_hidden_layers=4, head_dim=16, intermediate_size=32,
                   intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
                   interleave_moe_layer_step=2, attention_chunk_size=6, floor_scale=4,
-                  attn_scale=0.5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+                  attn_scale=0.5, rope_parameters={
+                      "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})
     gemma4 = dict(COMMON, num_hidden_layers=4, head_dim=16, global_head_dim=32,
                   num_global_key_value_heads=1, attention_k_eq_v=True, intermediate_size=48,
                   enable_moe_block=True, num_experts=4, top_k_experts=2,
@@ -123,6 +128,8 @@ def _configs():
         "gemma4": (tf.Gemma4TextConfig, tf.Gemma4ForCausalLM, gemma4),
         "glm4moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM, glm4moe),
         "llama4": (tf.Llama4TextConfig, tf.Llama4ForCausalLM, llama4),
+        "llama4_scout": (tf.Llama4TextConfig, tf.Llama4ForCausalLM,
+                         dict(llama4, attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)),
         "gemma4_multimodal": (_multimodal(tf.Gemma4Config, tf.Gemma4TextConfig),
                               tf.Gemma4ForConditionalGeneration, gemma4),
     }
@@ -169,7 +176,7 @@ def build(family: str, seed: int = 0, **overrides):
                     p.normal_(0.0, 0.5)
                 elif name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.normal_(1.0, 0.3)
-    if family == "llama4":
+    if family.startswith("llama4"):
         # Norms start at one; spread them so that each is seen where it belongs.
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -20,7 +20,8 @@ import numpy as np
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.families import FAMILIES
-from moeswap.formats.rope_scaling import Yarn, hf_rope_parameters, yarn_from_gguf, yarn_from_hf
+from moeswap.formats.rope_scaling import (Yarn, hf_rope_parameters, llama3_factors, yarn_from_gguf,
+                                          yarn_from_hf)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ class ModelConfig:
     qk_l2_norm: bool = False  # Llama 4: q and k RMS-normalised (no weight) after RoPE
     rope_mscale: float = 1.0  # cos/sin multiplier without YaRN (Phi-3.5-MoE's LongRoPE)
     rope_factors: tuple[float, ...] = ()  # per rotated pair, dividing its frequency (a HF
-    # folder's LongRoPE short_factor; a GGUF carries rope_factors_short / _long tensors)
+    # folder's LongRoPE short_factor or Llama 3 scaling; a GGUF carries rope_factors_short /
+    # _long or rope_freqs tensors)
     rope_orig_ctx: int = 0  # LongRoPE: a context beyond it takes the long factors (GGUF)
     layer_norm: bool = False  # norms subtract the mean and add a bias (HF Phi-3.5-MoE)
     router_jitter: float = 0.0  # sparsemixer's relative threshold / 2 (HF Phi-3.5-MoE)
@@ -409,6 +411,9 @@ def config_from_hf(folder: str | Path) -> ModelConfig:
     family.hf_fields(hf, folder, fields)
     # RoPE after the hook, so that a family refusing its RoPE variant says so in its own words.
     full = hf_rope_parameters(hf, "full_attention")
+    if full.get("rope_type") == "llama3":  # Llama 3.1+, Llama 4 Scout: divisors per pair
+        fields["rope_factors"] = llama3_factors(
+            full, fields["head_dim"] or fields["n_embd"] // fields["n_head"])
     fields.update(
         rope_base=float(full.get("rope_theta", 10000.0)),
         rope_scale=1.0 if fields.get("rope_factors") else _rope_factor(full, folder),

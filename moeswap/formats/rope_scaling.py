@@ -23,6 +23,28 @@ class Yarn:
     mscale: float = 1.0  # cos/sin multiplier ("attention factor")
 
 
+def llama3_factors(params: dict[str, Any], dim: int) -> tuple[float, ...]:
+    """Llama 3 scaling's per-pair frequency divisors, as llama.cpp's converter writes them into
+    ``rope_freqs`` (LlamaModel.generate_extra_tensors) and transformers'
+    _compute_llama3_parameters divides by: 1 for short wavelengths, ``factor`` for long ones, a
+    smooth blend between."""
+    base = params.get("rope_theta", 10000.0)
+    factor = params.get("factor", 8.0)
+    low, high = params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    orig = params.get("original_max_position_embeddings", 8192)
+    factors = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * base ** (i / dim)
+        if wavelen < orig / high:
+            factors.append(1.0)
+        elif wavelen > orig / low:
+            factors.append(float(factor))
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 without scaling)."""
     return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0

@@ -20,6 +20,8 @@ import torch
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import ModelConfig, hf_rope_parameters, read_hf_config
+from moeswap.formats.families.llama4 import HF_KEYS as LLAMA4_HF_KEYS
+from moeswap.formats.families.llama4 import llama_cpp_reading
 from moeswap.formats.families.phimoe import converter_long_rope
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.formats.vocab_to_gguf import write_vocab
@@ -62,6 +64,8 @@ def convert(folder: str | Path, out_path: str | Path, out_type: str = "f16",
     extra = {}
     if config.arch == "gemma4":
         extra["rope_freqs.weight"] = proportional_rope_factors(config.head_dim, config.rope_partial)
+    if config.arch in ("llama", "llama4") and config.rope_factors:  # Llama 3 scaling
+        extra["rope_freqs.weight"] = torch.tensor(config.rope_factors, dtype=torch.float32)
     if config.arch == "phimoe" and (rope := converter_long_rope(hf, folder)).long:
         extra["rope_factors_long.weight"] = torch.tensor(rope.long, dtype=torch.float32)
         extra["rope_factors_short.weight"] = torch.tensor(rope.short, dtype=torch.float32)
@@ -108,8 +112,8 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
                                         if c.arch == "glm4moe" else 0))
     writer.add_context_length(c.n_ctx_train)
     writer.add_embedding_length(c.n_embd)
-    if "intermediate_size" in hf:
-        writer.add_feed_forward_length(hf["intermediate_size"])
+    if "intermediate_size" in hf:  # Llama 4's dense width is intermediate_size_mlp
+        writer.add_feed_forward_length(c.n_ff if c.arch == "llama4" else hf["intermediate_size"])
     writer.add_head_count(c.n_head)
     if c.n_head_kv == c.n_head_kv_swa:  # else one value per layer (Gemma 4, below)
         writer.add_head_count_kv(c.n_head_kv)
@@ -130,12 +134,12 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         writer.add_value_length(c.head_dim)
     writer.add_file_type(OUT_TYPES[out_type][1])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)  # the reference writes it always
-    if c.arch in ("llama", "granitemoe"):
+    if c.arch in ("llama", "granitemoe", "llama4"):
         writer.add_vocab_size(c.n_vocab)
         writer.add_rope_dimension_count(c.n_rot)
     if c.arch in ("qwen2moe", "qwen3moe"):
         writer.add_expert_feed_forward_length(c.n_ff_exp)
-    if c.n_ff_shexp and c.arch not in ("deepseek2", "glm4moe"):
+    if c.n_ff_shexp and c.arch not in ("deepseek2", "glm4moe", "llama4"):
         writer.add_expert_shared_feed_forward_length(c.n_ff_shexp)
     if c.arch == "deepseek2":
         _write_deepseek2(writer, c, hf)
@@ -145,6 +149,8 @@ def _write_metadata(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: P
         _write_glm4moe(writer, c, hf)
     if c.arch == "phimoe":
         _write_phimoe(writer, c, hf, folder)
+    if c.arch == "llama4":
+        _write_llama4(writer, c, folder)
     if c.arch == "gpt-oss":
         writer.add_sliding_window(c.sliding_window)
         writer.add_expert_feed_forward_length(c.n_ff_exp)
@@ -246,6 +252,21 @@ def _write_phimoe(writer: gguf.GGUFWriter, c: ModelConfig, hf: dict, folder: Pat
     writer.add_sliding_window(hf.get("sliding_window") or 0)
     if rope.attn_factor is not None:
         writer.add_rope_scaling_attn_factors(rope.attn_factor)
+
+
+def _write_llama4(writer: gguf.GGUFWriter, c: ModelConfig, folder: Path) -> None:
+    """Llama4Model.set_gguf_parameters; llama.cpp hard-codes the rest (families.llama4), so a
+    folder whose chunks, temperature, NoPE layers or q/k norm differ is refused."""
+    expected = llama_cpp_reading(c.n_layer, c.n_expert)
+    differing = sorted({LLAMA4_HF_KEYS[name] for name, value in expected.items()
+                        if getattr(c, name) != value})
+    if differing:
+        raise MoeswapError(f"{folder}/config.json: {', '.join(differing)}: not what "
+                           "llama.cpp hard-codes for llama4 (attention_chunk_size 8192, floor_scale "
+                           "8192, attn_scale 0.1, a NoPE layer every 4th, use_qk_norm unless 128 "
+                           "experts); the GGUF would run differently in llama.cpp")
+    writer.add_interleave_moe_layer_step(c.n_moe_layer_step)
+    writer.add_expert_feed_forward_length(c.n_ff_exp)
 
 
 def _write_gemma4(writer: gguf.GGUFWriter, c: ModelConfig) -> None:

@@ -26,6 +26,22 @@ NO_ROPE_STEP = 4
 MAVERICK_EXPERTS = 128  # llama.cpp turns the q/k norm off for this expert count
 
 
+# The ModelConfig fields above, as transformers' Llama4TextConfig names them.
+HF_KEYS = {"sliding_window": "attention_chunk_size", "chunked_attention": "attention_chunk_size",
+           "swa_layers": "layer_types", "no_rope_layers": "no_rope_layers",
+           "attn_temp_floor": "floor_scale", "attn_temp_scale": "attn_scale",
+           "qk_l2_norm": "use_qk_norm"}
+
+
+def llama_cpp_reading(n_layer: int, n_expert: int) -> dict[str, Any]:
+    """The ModelConfig fields llama.cpp fixes for a llama4 file (its default 3:1 pattern)."""
+    return dict(sliding_window=LLAMA_CPP_CHUNK, chunked_attention=True,
+                swa_layers=tuple((i + 1) % NO_ROPE_STEP != 0 for i in range(n_layer)),
+                no_rope_layers=tuple((i + 1) % NO_ROPE_STEP == 0 for i in range(n_layer)),
+                attn_temp_floor=LLAMA_CPP_TEMP_FLOOR, attn_temp_scale=LLAMA_CPP_TEMP_SCALE,
+                qk_l2_norm=n_expert != MAVERICK_EXPERTS)
+
+
 def gguf_fields(path: Any, key: Callable[..., Any], fields: dict[str, Any]) -> None:
     if not fields["n_expert"]:
         raise MoeswapError(f"{path}: llama4.expert_count is 0; llama.cpp refuses a llama4 model "
@@ -38,15 +54,12 @@ def gguf_fields(path: Any, key: Callable[..., Any], fields: dict[str, Any]) -> N
     if step <= 0:
         raise MoeswapError(f"{path}: required key 'llama4.interleave_moe_layer_step' is missing "
                            "or 0 (1: every layer is MoE, as in Llama 4 Scout)")
-    fields.update(
-        n_moe_layer_step=step, sliding_window=LLAMA_CPP_CHUNK, chunked_attention=True,
-        no_rope_layers=tuple((i + 1) % NO_ROPE_STEP == 0 for i in range(n_layer)),
-        attn_temp_floor=LLAMA_CPP_TEMP_FLOOR, attn_temp_scale=LLAMA_CPP_TEMP_SCALE,
-        qk_l2_norm=fields["n_expert"] != MAVERICK_EXPERTS,
-        rope_base_swa=float(key("rope.freq_base_swa", fields["rope_base"])),
-        n_ff_shexp=_first(fields["n_ff_exp"]))  # llama.cpp: as wide as an expert
-    if not fields["swa_layers"]:  # llama.cpp's default pattern: 3 chunked, then 1 full
-        fields["swa_layers"] = tuple((i + 1) % NO_ROPE_STEP != 0 for i in range(n_layer))
+    pattern = fields["swa_layers"]  # from attention.sliding_window_pattern, when present
+    fields.update(llama_cpp_reading(n_layer, fields["n_expert"]), n_moe_layer_step=step,
+                  rope_base_swa=float(key("rope.freq_base_swa", fields["rope_base"])),
+                  n_ff_shexp=_first(fields["n_ff_exp"]))  # llama.cpp: as wide as an expert
+    if pattern:
+        fields["swa_layers"] = pattern
 
 
 def _first(value: Any) -> int:
