@@ -66,6 +66,36 @@ def test_cold_reads_return_the_files_bytes_at_any_offset_and_address(data_file, 
     opened.close()
 
 
+def test_block_multiple_pieces_sit_on_their_file_block_and_read_straight_in(data_file,
+                                                                          monkeypatch):
+    from moeswap.experts.tiers import SlotPool, piece_offsets
+    from moeswap.models.quant_experts import ExpertLayout, ExpertPart
+
+    # pieces of whole blocks starting off a block, as a real model's experts do; the bias is not
+    parts = {kind: ExpertPart(f"blk.0.ffn_{kind}_exps.weight", 8, (256, 32), 4, start, 8192)
+             for kind, start in (("gate", 1056), ("up", 33824), ("down", 66592))}
+    bias = ExpertPart("blk.0.ffn_down_exps.bias", 0, (64,), 4, 99360, 256)
+    layout = ExpertLayout(0, parts, {"down": bias})
+    offsets = piece_offsets(layout)
+    assert [o % DIRECT_ALIGNMENT for o in offsets[:3]] == [1056, 33824 % 4096, 66592 % 4096]
+    assert all(o % 32 == 0 for o in offsets)
+    bounced = []
+    read_bounced = ModelFile._read_bounced
+    monkeypatch.setattr(ModelFile, "_read_bounced", lambda self, target, offset: (
+        bounced.append(target.nbytes), read_bounced(self, target, offset)))
+    pool = SlotPool("host", 2, slot_bytes([layout]))
+    disk = DiskReader([data_file], cold=True)
+    disk.read_expert(layout, 3, pool.slot(1))
+    data = np.fromfile(data_file, dtype=np.uint8)
+    for part, offset in zip(layout.parts, offsets):
+        start = part.data_start + 3 * part.expert_bytes
+        assert np.array_equal(pool.slot(1)[offset:offset + part.expert_bytes],
+                              data[start:start + part.expert_bytes])
+    if disk.files[0].direct:  # (a filesystem refusing O_DIRECT reads them all cached)
+        assert bounced and max(bounced) < DIRECT_ALIGNMENT  # only the pieces' edges bounced
+    disk.close()
+
+
 def test_a_filesystem_refusing_o_direct_falls_back_to_dropped_preads(data_file, monkeypatch):
     real_open, dropped = os.open, []
 

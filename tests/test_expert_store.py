@@ -282,7 +282,9 @@ def test_anonymous_memory_grows_by_the_budget_not_by_the_experts(tmp_path):
     load_tokenizer(path)
     r = measure_share(str(path), 0.25, "lru", 1, 8, 4, None, tmp_path / "runs", "rss")
     assert r["rss_anon_growth"] <= 1.10 * r["host_budget"]
-    assert r["rss_anon_growth"] < 0.5 * r["routed_bytes"]  # the experts did not pile up
+    # the shared weights are copied into anonymous memory (charged to the budget); beside them
+    # the experts did not pile up
+    assert r["rss_anon_growth"] - r["shared_bytes"] < 0.5 * r["routed_bytes"]
     assert r["disk_mib"] > 0
 
 

@@ -179,8 +179,8 @@ class ExpertStore:
         """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout."""
         r = self.residency
         layout = (r.lowbit if pool == "lowbit" else self).layouts[layer]
-        signature = hash(tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts))
-        key = (pool, signature)
+        names = tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts)
+        key = (pool, hash((names, tuple(piece_offsets(layout)))))  # offsets follow file blocks
         if key not in self._pool_ffn:
             slots = r.pool(pool)
             pieces = [(kind, part.ggml_type, part.ne, offset) for (kind, part, _), offset

@@ -2,8 +2,9 @@
 
 A ``SlotPool`` is one buffer allocated once and cut into equal slots, each able to hold any
 expert of the model in its stored (quantized) form: all of its pieces (gate and up or fused
-gate_up, down, biases) at 32-byte-aligned offsets, which ggml requires of weights. Pools never
-grow or shrink, so there is no allocator churn per token and no fragmentation.
+gate_up, down, biases) at 32-byte-aligned offsets, which ggml requires of weights (and, for
+pieces of whole disk blocks, at their file offset modulo a block: ``piece_offsets``). Pools
+never grow or shrink, so there is no allocator churn per token and no fragmentation.
 
 ``DiskReader`` reads an expert's pieces from the model file into a slot; for a split set, from
 whichever file of the set holds each piece (each file opened at its first read).
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.direct_io import ModelFile, ShortRead
+from moeswap.experts.direct_io import DIRECT_ALIGNMENT, ModelFile, ShortRead
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
 ALIGNMENT = 32  # ggml's TENSOR_ALIGNMENT
@@ -33,9 +34,15 @@ def _aligned(n: int) -> int:
 
 
 def piece_offsets(layout: ExpertLayout) -> list[int]:
-    """Offsets of the layout's pieces (``layout.parts`` order) inside a slot."""
+    """Offsets of the layout's pieces (``layout.parts`` order) inside a slot, 32-byte aligned.
+    Where every expert's piece starts at the same file offset modulo a disk block (its bytes a
+    whole number of blocks, as in real models' experts), the piece is placed at that offset
+    modulo the block too: slots start on a block, so a cold read's aligned middle goes
+    straight into the slot (moeswap.experts.direct_io)."""
     offsets, at = [], 0
     for part in layout.parts:
+        if part.expert_bytes % DIRECT_ALIGNMENT == 0 and part.data_start % ALIGNMENT == 0:
+            at += (part.data_start - at) % DIRECT_ALIGNMENT  # [0, 4096), a multiple of 32
         offsets.append(at)
         at += _aligned(part.expert_bytes)
     return offsets
@@ -50,9 +57,11 @@ def slot_pieces(layout: ExpertLayout, slot):
 
 
 def slot_bytes(layouts: list[ExpertLayout]) -> int:
-    """A slot big enough for the largest expert of any layer, pieces aligned."""
-    return max((sum(_aligned(p.expert_bytes) for p in layout.parts) for layout in layouts),
-               default=0)
+    """A slot big enough for the largest expert of any layer, pieces placed as
+    ``piece_offsets`` places them; whole disk blocks, so that every slot starts on one."""
+    ends = [offset + _aligned(part.expert_bytes) for layout in layouts
+            for part, offset in zip(layout.parts, piece_offsets(layout))]
+    return -(-max(ends, default=0) // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
 
 
 class FreeSlots:
@@ -83,8 +92,9 @@ class SlotPool(FreeSlots):
         super().__init__(n_slots)
         self.name = name
         self.n_slots, self.slot_size = n_slots, slot_size
-        spare = np.empty(n_slots * slot_size + ALIGNMENT, dtype=np.uint8)
-        start = -spare.ctypes.data % ALIGNMENT
+        # on a disk block: cold reads land straight in slots (moeswap.experts.direct_io)
+        spare = np.empty(n_slots * slot_size + DIRECT_ALIGNMENT, dtype=np.uint8)
+        start = -spare.ctypes.data % DIRECT_ALIGNMENT
         self.buffer = spare[start:start + n_slots * slot_size]  # [n_slots * slot_size]
 
     @property
