@@ -18,6 +18,7 @@ from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import (Attention, AttentionSpec, AttentionWeights, Batch, DenseFFN,
                                    KVCache, Linear, Rope, rms_norm)
 from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, Router, SharedExpert
+from moeswap.quant.threads import torch_threads_for_step
 
 Layer = Callable[[torch.Tensor, Batch], torch.Tensor]
 
@@ -82,8 +83,9 @@ class CausalLM:
         batch = Batch(positions, spans, caches)
         if self.recorder is not None:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
-        for layer in self.layers:
-            x = layer(x, batch)
+        with torch_threads_for_step(len(positions)):  # decode: ggml's threads own the cores
+            for layer in self.layers:
+                x = layer(x, batch)
         if last_only:
             x = x[[end - 1 for end in ends]]  # [B, D]: each sequence's last position
             spans = [(i, i + 1) for i in range(len(spans))]
