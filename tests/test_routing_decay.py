@@ -11,6 +11,7 @@ import tiny_models
 import torch
 
 from moeswap.cli import main
+from moeswap.errors import MoeswapError
 from moeswap.routing.decay import (
     HALF_LIVES,
     PRIOR_WEIGHTS,
@@ -123,6 +124,10 @@ def test_the_profile_keeps_the_fit_and_the_simulator_uses_it(tmp_path):
     del doc["decay"]  # a profile from before the decay policy: an untrained decay
     (tmp_path / "old.json").write_text(json.dumps(doc))
     assert Profile.load(tmp_path / "old.json").decay == DecayFit()
+    for damaged in ([16], {"half_life": 0}, {"half_life": 16, "prior_weight": -1}, {"window": 3}):
+        (tmp_path / "bad.json").write_text(json.dumps({**doc, "decay": damaged}))
+        with pytest.raises(MoeswapError, match="damaged profile"):
+            Profile.load(tmp_path / "bad.json")
     other = synthetic_trace(seed=1)
     by_name = [int(r.hits.sum()) for r in simulate_grid(other, [f"decay:{tmp_path / 'p.json'}"], [3, 4],
                                                           "per-layer")]

@@ -42,6 +42,10 @@ class DecayFit:
     half_life: float = 16.0  # tokens
     prior_weight: float = 0.0
 
+    def __post_init__(self) -> None:
+        if not (self.half_life > 0 and self.prior_weight >= 0):
+            raise ValueError(f"decay needs half_life > 0 and prior_weight >= 0, got {self}")
+
 
 def popularity_prior(counts, weight: float) -> np.ndarray:
     """[L, E] the prior credit of each expert: ``weight`` x its share of its layer's routes x E."""

@@ -115,7 +115,7 @@ class Profile:
                 decay=DecayFit(**{name: float(v) for name, v in doc.get("decay", {}).items()}),
                 path=str(path),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise MoeswapError(f"{path}: damaged profile (missing or bad {e}); "
                                "make it again with `moeswap profile`") from None
 
