@@ -107,6 +107,26 @@ def test_folder_matches_transformers(files):
     assert_matches_transformers(load_model(hf_dir), reference)
 
 
+def test_conditional_generation_folder_runs_its_text_part(tmp_path):
+    """Llama4ForConditionalGeneration, as Scout and Maverick are published: the language model
+    under language_model., the vision tower and projector skipped. (transformers' own forward of
+    the wrapper fails without an image here, so its language model is the reference.)"""
+    import transformers as tf
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                  image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                  projector_output_dim=64, pixel_shuffle_ratio=0.5)
+    text = tiny_models.build("llama4").config.to_dict()
+    torch.manual_seed(0)
+    wrapper = tf.Llama4ForConditionalGeneration(
+        tf.Llama4Config(text_config=text, vision_config=vision)).eval()
+    wrapper.save_pretrained(tmp_path / "hf")
+    tiny_models.save_tokenizer(tmp_path / "hf")
+    model = load_model(tmp_path / "hf")
+    expected = tiny_models.reference_logits(wrapper.language_model, PROMPT.tolist())
+    assert relative_error(model.forward([PROMPT], [model.new_cache()])[0], expected) <= 1e-4
+
+
 def test_f32_gguf_matches_transformers_with_llama_cpps_constants(files, llama_cpp_reference):
     assert_matches_transformers(load_model(files[2]["f32"]), llama_cpp_reference)
 
@@ -141,7 +161,7 @@ def test_trace_records_the_interleaved_layers_choices(files):
 @pytest.mark.llama_cpp
 def test_gguf_chunks_and_temperature_follow_llama_cpp_past_8192(files):
     """llama.cpp's constants act from position 8191 on: the last 32 of 8216 positions give
-    llama.cpp's logits on the f32 file (1e-5 to 7.5e-5 past the boundary, 2e-6 before it: RoPE
+    llama.cpp's logits on the f32 file (up to 5e-5 past the boundary, 2e-6 before it: RoPE
     angles in float64 against ggml's float32, docs/ARCHITECTURES.md). On the q8_0 file those
     differences, there before the boundary too, cross Q8_0 rounding steps (about 1e-2), so it is
     left to the 16-token check."""
