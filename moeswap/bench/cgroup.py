@@ -41,6 +41,8 @@ class MemoryCgroup:
         except OSError as e:
             raise NoCgroup(f"cannot make {folder}: {e.strerror}") from None
         made = cls(version, folder)
+        if version == "v2" and not (folder / "memory.max").exists():
+            made._enable_memory(parent)
         try:
             if version == "v2":
                 made._write("memory.max", limit)
@@ -52,6 +54,15 @@ class MemoryCgroup:
             made.remove()
             raise NoCgroup(f"cannot limit {folder}: {e.strerror}") from None
         return made
+
+    @staticmethod
+    def _enable_memory(parent: Path) -> None:
+        """v2 gives a child memory files only when its parent delegates the controller; the
+        kernel refuses while the parent holds processes itself (then ``create`` says so)."""
+        try:
+            (parent / "cgroup.subtree_control").write_text("+memory")
+        except OSError:
+            pass
 
     def _write(self, name: str, value: int, optional: bool = False) -> None:
         path = self.folder / name
