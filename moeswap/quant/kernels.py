@@ -29,6 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.quant.ggml_lib import GGML, THREADPOOL_PARAMS_BYTES, InitParams, load_ggml
+from moeswap.quant.repack import repacked_matrix
 
 # Weight types whose products are tested against the reference (tests/test_quant_kernels.py).
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[name] for name in (
@@ -64,8 +65,10 @@ def default_thread_count() -> int:
 class CpuKernels:
     """The shared CPU runtime: backend, thread pool, scratch. Calls are serialised by a lock."""
 
-    def __init__(self, n_threads: int | None = None):
+    def __init__(self, n_threads: int | None = None, repack: bool = False):
+        """repack: dense matrices go into ggml's repacked layouts where it has one (``matrix``)."""
         self.ggml = ggml = load_ggml()
+        self.repack = repack
         self.n_threads = n_threads or default_thread_count()
         if self.n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {self.n_threads}")
@@ -87,13 +90,19 @@ class CpuKernels:
         weakref.finalize(self, _free_runtime, ggml, self._backend, self._threadpool,
                          self._scratch_buffer)
 
-    def matrix(self, raw, ggml_type: int, ne: tuple[int, int], name: str = "weight"
-               ) -> QuantMatrix:
+    def matrix(self, raw, ggml_type: int, ne: tuple[int, int], name: str = "weight",
+               repack: bool | None = None) -> QuantMatrix:
         """Bind one matrix of GGUF shape ``ne = (in, out)`` stored in ``raw`` (not copied).
 
         ``name`` (the tensor's, e.g. ``blk.0.ffn_down.weight``) labels error messages.
+        ``repack`` (None: this object's): copy it into ggml's repacked layout for this CPU
+        where ggml has one for its type and shape (moeswap.quant.repack; the copy replaces the
+        stored bytes, and products differ from the plain layout's in the last bits).
         """
-        return QuantMatrix(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 2, name))
+        weight = _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 2, name)
+        if self.repack if repack is None else repack:
+            weight = _repacked(self.ggml, weight) or weight
+        return QuantMatrix(self, weight)
 
     def experts(self, raw, ggml_type: int, ne: tuple[int, int, int], name: str = "weight"
                 ) -> QuantExperts:
@@ -176,6 +185,17 @@ def _bind_weight(ggml: GGML, raw, ggml_type: int, ne: tuple[int, ...], dims: int
     return weight
 
 
+def _repacked(ggml: GGML, plain: _Weight) -> _Weight | None:
+    """The weight copied into ggml's repacked layout, or None where ggml keeps it plain."""
+    made = repacked_matrix(ggml, plain.keep_alive, plain.ggml_type, plain.ne)
+    if made is None:
+        return None
+    context, tensor, buffer = made
+    weight = _Weight(plain.ggml_type, plain.ne, tensor, [context], None)
+    weakref.finalize(weight, _free_weight, ggml, weight.contexts, buffer)
+    return weight
+
+
 class QuantMatrix:
     """``y = x @ W.T`` for one stored matrix W of GGUF shape (in, out)."""
 
@@ -184,6 +204,11 @@ class QuantMatrix:
         self.weight = weight
         self.in_features, self.out_features = weight.ne
         self._graphs: dict[int, int] = {}
+
+    @property
+    def repacked(self) -> bool:
+        """Whether ggml's repacked copy is computed on (the stored bytes are not kept)."""
+        return self.weight.keep_alive is None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out] float32 (T: tokens)."""
