@@ -114,7 +114,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
          tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
          replay_routing: str | os.PathLike | None = None, context_tokens: int = 0,
          step_tokens: int = 0, chat_template: str | None = None, kv_type: str = "f32",
-         force: bool = False) -> Runtime:
+         force: bool = False, repack: bool = False) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -133,6 +133,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     (the command line's default, as llama.cpp's: half the RAM).
     force: load a GGUF file that moeswap doctor reports an error in (formats.validation); by
     default it is refused in one line before anything is built.
+    repack: dense quantized matrices in ggml's repacked CPU layouts (models.loader.load_model;
+    the command line's default, off with --exact-tiers).
     """
     from moeswap.models import load_model
     from moeswap.routing.replay import RoutingReplay
@@ -155,7 +157,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
         raise MoeswapError(f"{path}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
                        recorder=recorder, replay=replay, context_tokens=context_tokens,
-                       step_tokens=step_tokens, kv_type=kv_type, validate=False)
+                       step_tokens=step_tokens, kv_type=kv_type, validate=False,
+                       repack=repack)
     return Runtime(model, tokenizer, expert_runner, replay, chat_template)
 
 

@@ -54,3 +54,49 @@ def test_a_shape_ggml_cannot_repack_stays_plain(kernels):
     x = torch.randn(3, 256)
     assert torch.equal(matrix.matmul(x), kernels.matrix(raw, Q.Q4_0, (256, 12),
                                                         repack=False).matmul(x))
+
+
+@pytest.fixture(scope="module")
+def mixtral_q4_0(tmp_path_factory):
+    import tiny_models
+
+    from moeswap.gguf_tools.convert import convert
+
+    folder = tmp_path_factory.mktemp("mixtral-q4_0-")
+    tiny_models.save("mixtral", folder / "hf")
+    return convert(folder / "hf", folder / "model.q4_0.gguf", "q4_0")
+
+
+def test_a_model_with_repacked_shared_weights_keeps_its_logits_and_its_store_exact(
+        mixtral_q4_0, monkeypatch):
+    """load_model(repack=True), as `moeswap run` loads without --exact-tiers: the shared Q4_0
+    matrices repack, logits stay near the plain layout's, and the expert store (experts never
+    repacked) still gives the resident model's logits bit for bit."""
+    import tiny_models
+
+    from moeswap.experts.build import build_store
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.models import load_model
+
+    bound = []
+    matrix = CpuKernels.matrix
+    monkeypatch.setattr(CpuKernels, "matrix",
+                        lambda self, *a, **k: bound.append(matrix(self, *a, **k)) or bound[-1])
+    prompt = torch.randint(0, tiny_models.VOCAB, (10,), generator=torch.Generator().manual_seed(3))
+
+    def logits(model):
+        cache = model.new_cache()
+        return torch.cat([model.forward([prompt[:6]], [cache])[0]] +
+                         [model.forward([prompt[i:i + 1]], [cache])[0] for i in range(6, 10)])
+
+    plain = logits(load_model(mixtral_q4_0, threads=1))
+    assert bound and not any(m.repacked for m in bound)
+    bound.clear()
+    repacked = logits(load_model(mixtral_q4_0, threads=1, repack=True))
+    x86_avx2 = platform.machine().lower() in ("x86_64", "amd64") and \
+        load_ggml().ggml_cpu_has_avx2()
+    assert any(m.repacked for m in bound) or not x86_avx2
+    assert tiny_models.relative_error(repacked, plain) <= 1e-3
+    store = build_store(OffloadSettings(host_bytes=1 << 30))
+    offloaded = logits(load_model(mixtral_q4_0, threads=1, repack=True, expert_runner=store))
+    assert torch.equal(offloaded, repacked)

@@ -42,7 +42,7 @@ def run(spec: RunSpec) -> dict:
                          cost_model_rates(spec.offload, spec.threads))
     began = time.perf_counter()
     runtime = engine.load(spec.model, threads=spec.threads, replay_routing=spec.replay_routing,
-                          **store)
+                          repack=True, **store)  # as moeswap run, and llama.cpp by default
     load_s = time.perf_counter() - began
     if store:
         memory.stats = runtime.stats

@@ -70,6 +70,14 @@ def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> Non
                         f"({STEP_TOKENS}: llama.cpp's n_ubatch)")
 
 
+def add_exact_tiers_argument(p: argparse.ArgumentParser) -> None:
+    """``--exact-tiers``, as `moeswap run`, `chat` and `serve` share it."""
+    p.add_argument("--exact-tiers", action="store_true",
+                   help="keep every weight in its stored layout: no ggml repacked layouts for "
+                        "the shared matrices (Q4_0, Q4_K, IQ4_NL, MXFP4 on x86), so logits are "
+                        "bit for bit those of the plain kernels at any budget")
+
+
 def add_kv_type_argument(p: argparse.ArgumentParser) -> None:
     """``--kv-type``, as `moeswap run`, `chat`, `serve` and `plan` share it."""
     from moeswap.memory import COMMAND_KV_TYPE, KV_TYPES

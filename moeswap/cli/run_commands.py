@@ -9,7 +9,8 @@ from rich.console import Console
 from moeswap.cli.common_args import (add_force_argument, add_model_argument,
                                      add_threads_argument, warn_beyond_training)
 from moeswap.cli.load_report import load_progress
-from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
+from moeswap.cli.offload_args import (add_exact_tiers_argument, add_kv_type_argument,
+                                      add_offload_arguments,
                                       add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
@@ -33,6 +34,7 @@ def register(subparsers) -> None:
                    help="log each tensor as it is mapped: name, shape, type, where it lives")
     add_step_tokens_argument(p)
     add_kv_type_argument(p)
+    add_exact_tiers_argument(p)
     add_offload_arguments(p)
     add_force_argument(p)
     p.add_argument("--plan", choices=["auto"],
@@ -68,7 +70,7 @@ def run_generate(args) -> int:
                    if args.plan == "auto" else None)
         settings = offload_settings(args, budgets)
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
-                               force=args.force,
+                               force=args.force, repack=not args.exact_tiers,
                                recorder=recorder, replay_routing=args.replay_routing,
                                **offload_load_options(settings, HostCharge.for_sequence(
                                    context, step, args.kv_type), args.threads))

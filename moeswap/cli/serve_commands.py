@@ -5,7 +5,8 @@ from __future__ import annotations
 from moeswap.cli.common_args import (add_force_argument, add_model_argument,
                                      add_threads_argument, default_ctx, warn_beyond_training)
 from moeswap.cli.load_report import load_progress, memory_summary
-from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
+from moeswap.cli.offload_args import (add_exact_tiers_argument, add_kv_type_argument,
+                                      add_offload_arguments,
                                       add_step_tokens_argument,
                                       offload_load_options, offload_settings)
 from moeswap.cli.sampling_args import add_sampling_arguments, sampling_params
@@ -28,6 +29,7 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
     add_threads_argument(p)
     add_step_tokens_argument(p, step_scope)
     add_kv_type_argument(p)
+    add_exact_tiers_argument(p)
     add_offload_arguments(p)
     add_force_argument(p)
     p.add_argument("--plan", choices=["auto", "off"], default=None,
@@ -89,7 +91,7 @@ def _load(args, charge, progress, recorder=None):
     template = template_source(args.chat_template) if args.chat_template else None
     budgets = planned_budgets(args, charge, progress[0].console)
     runtime = moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
-                           force=args.force, recorder=recorder, chat_template=template, verbose_log=progress[1],
+                           repack=not args.exact_tiers, force=args.force, recorder=recorder, chat_template=template, verbose_log=progress[1],
                            **offload_load_options(offload_settings(args, budgets), charge,
                                                   args.threads))
     if runtime.chat_template_fallback:

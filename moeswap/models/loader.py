@@ -41,7 +41,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
                threads: int | None = None, expert_runner: ExpertRunnerFactory | None = None,
                recorder: DecisionRecorder | None = None, replay: Any = None,
                context_tokens: int = 0, step_tokens: int = 0, kv_type: str = "f32",
-               validate: bool = True) -> CausalLM:
+               validate: bool = True, repack: bool = False) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
@@ -56,6 +56,10 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     against transformers in float32) or 'f16' (the command line's default, as llama.cpp's).
     validate: refuse a GGUF file with an error moeswap doctor reports (formats.validation);
     False is --force.
+    repack: dense quantized matrices in ggml's repacked CPU layouts where it has one
+    (moeswap.quant.repack: a copy in RAM, products off the plain layout's in the last bits);
+    False (the library's default; the command line's is True) keeps the plain layouts,
+    --exact-tiers.
     Any other failure while building is one MoeswapError naming the file and the tensor last
     bound, never a traceback.
     """
@@ -63,7 +67,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     last = _LastTensor(verbose_log)
     try:
         return _load_model(path, last, threads, expert_runner, recorder, replay, context_tokens,
-                           step_tokens, kv_type, validate)
+                           step_tokens, kv_type, validate, repack)
     except MoeswapError:
         raise
     except Exception as e:  # a damaged file must end in one line, not a traceback
@@ -89,7 +93,7 @@ class _LastTensor:
 def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | None,
                 expert_runner: ExpertRunnerFactory | None, recorder: DecisionRecorder | None,
                 replay: Any, context_tokens: int, step_tokens: int, kv_type: str,
-                validate: bool) -> CausalLM:
+                validate: bool, repack: bool) -> CausalLM:
     if kv_type not in _KV_DTYPES:
         raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(_KV_DTYPES)}")
     source: Any
@@ -117,7 +121,7 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
     moe_layers = config.moe_layers
     mxfp4_folder = gguf is None and any(
         weights.is_mxfp4(f"blk.{i}.ffn_down_exps.weight") for i in moe_layers)
-    kernels = CpuKernels(threads) if gguf is not None or mxfp4_folder else None
+    kernels = CpuKernels(threads, repack) if gguf is not None or mxfp4_folder else None
     # with the offload store the shared weights leave the mapped file (BoundWeights, anonymous)
     bound = BoundWeights(weights, gguf, kernels, verbose_log, anonymous=expert_runner is not None)
     experts: Any

@@ -95,8 +95,11 @@ class BoundWeights:
         if info is None:
             return TorchLinear(self._float(name), b)
         self._report(name, quantized=True)
-        return QuantLinear(self.kernels.matrix(self._stored_bytes(info), info.type_id,
-                                               tuple(info.shape), name), b)
+        matrix = self.kernels.matrix(self._stored_bytes(info), info.type_id, tuple(info.shape),
+                                     name)
+        if matrix.repacked:  # ggml's repacked copy is what is computed on: drop ours
+            self._copies.pop(name, None)
+        return QuantLinear(matrix, b)
 
     def heads(self, name: str) -> TorchHeads | QuantHeads:
         """A stack of one matrix per head ``name`` ([H, out, in]: MLA's attn_k_b, attn_v_b)."""
