@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q, GGUFReader, GGUFValueType as T, GGUFWriter
-from gguf_builders import patch_tensor_info, replace_once
+from gguf_builders import patch_tensor_info, replace_once, tensor_info_offset
 
 import moeswap
 
@@ -124,6 +124,17 @@ def _same_offset(path: Path) -> None:
     patch_tensor_info(path, "blk.0.attn_norm.weight", offset_delta=delta)
 
 
+def _swap_dims(name: str):
+    """``name``'s two dimensions swapped: the same bytes, a shape the model cannot use."""
+    def patch(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        at = tensor_info_offset(bytes(data), name) + 4
+        ne = struct.unpack_from("<QQ", data, at)
+        struct.pack_into("<QQ", data, at, ne[1], ne[0])
+        path.write_bytes(bytes(data))
+    return patch
+
+
 def _non_utf8_token(path: Path) -> None:
     replace_once(path, struct.pack("<Q", 6) + b"return", struct.pack("<Q", 6) + b"\xffeturn")
 
@@ -215,4 +226,7 @@ CORRUPTIONS: tuple[Corruption, ...] = (
     Corruption("no_token_embd", R({"missing-tensor"}), edit=_drop_tensor("token_embd.weight")),
     Corruption("no_output_norm", R({"missing-tensor"}), edit=_drop_tensor("output_norm.weight")),
     Corruption("no_attention_k", R({"missing-tensor"}), edit=_drop_tensor("blk.4.attn_k.weight")),
+    # run refused these at load, doctor called them clean
+    Corruption("attn_k_dims_swapped", R({"tensor-shape-mismatch"}),
+               patch=_swap_dims("blk.1.attn_k.weight")),
 )

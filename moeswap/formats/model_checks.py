@@ -1,6 +1,7 @@
 """Checks that a GGUF file describes a model that can be built and run: the tensors every layer
 needs (each family's ``FamilyHooks.gguf_layer_tensors``), hyperparameters that fit together, a
-usable vocabulary and finite values in the small tensors (norms, routers, biases, scales).
+usable vocabulary, finite values in the small tensors (norms, routers, biases, scales), and
+tensor shapes that fit the configuration (the loader's own shape check).
 Each check yields problems (rule id, message);
 ``formats.validation`` puts them in its table.
 """
@@ -14,10 +15,12 @@ from typing import Any, Iterator
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from moeswap.errors import MoeswapError
 from moeswap.formats.families import FAMILIES
 from moeswap.formats.file_checks import problem
 from moeswap.formats.gguf_file import GGUFFile, StringArray
 from moeswap.formats.gguf_moe import ROUTER, arch_key, canonical_alias, split_expert
+from moeswap.formats.tensor_shapes import check_shapes
 
 # The vocabularies moeswap.tokenizer reads (tokenizer.ggml.model).
 TOKENIZER_MODELS = ("llama", "gpt2", "gemma4")
@@ -108,6 +111,25 @@ def check_finite_values(gf, view):
         if bad:
             yield problem("non-finite-values",
                           f"tensor '{t.name}' holds {bad} NaN or infinite value(s)")
+
+
+def check_tensor_fit(gf, view):
+    """The loader's shape check (formats.tensor_shapes) over the configuration the keys give:
+    run only on a file whose structure passed, as the configuration sizes per-layer tables by
+    block_count. A configuration moeswap cannot build is the loader's to refuse, in its words."""
+    from moeswap.formats.config import config_from_gguf
+
+    if gf.architecture not in FAMILIES:
+        return
+    try:
+        config = config_from_gguf(gf)
+    except Exception:  # noqa: BLE001 - any reason: the loader reports it, naming the file
+        return
+    try:
+        check_shapes("", config, (t.name for t in gf.tensors),
+                     lambda name: tuple(reversed(gf.tensor(name).shape)))
+    except MoeswapError as e:
+        yield problem("tensor-shape-mismatch", str(e).removeprefix(": "))
 
 
 # --- hyperparameters ----------------------------------------------------------------------

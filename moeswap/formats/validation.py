@@ -23,7 +23,7 @@ from moeswap.formats.findings import ERROR, WARNING, Finding, Rule
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_moe import MoEView
 from moeswap.formats.model_checks import (
-    check_finite_values, check_float_keys, check_hyperparameters,
+    check_finite_values, check_float_keys, check_hyperparameters, check_tensor_fit,
     check_required_tensors, check_vocabulary,
 )
 
@@ -124,15 +124,19 @@ RULES: tuple[Rule, ...] = (
          "a tokenizer model moeswap does not read, a vocabulary that is missing, empty, not "
          "UTF-8 or not one token per embedding row, or a chat template that is not text",
          "re-convert with llama.cpp's convert_hf_to_gguf.py"),
-    # Reads tensor data: only on a file with no error above (check()).
+    # Only on a file with no error above (check()): they read tensor data or build the config.
     Rule("non-finite-values", ERROR, check_finite_values,
          "NaN or Inf in a norm, router, bias or scale tensor", _REREAD),
+    Rule("tensor-shape-mismatch", ERROR, check_tensor_fit,
+         "a tensor whose shape does not fit the model the keys describe (n_embd, heads, "
+         "experts), as the loader checks it", _REREAD),
 )
 RULES_BY_ID = {rule.id: rule for rule in RULES}
 
-# Checks that read tensor data: run only when every other rule found no error, so that they
-# read only ranges known to lie in the file.
-_AFTER_STRUCTURE = frozenset({"non-finite-values"})
+# Checks that read tensor data or build the configuration: run only when every other rule
+# found no error, so that they read only ranges known to lie in the file and size tables by a
+# block_count the layers present agree with.
+_AFTER_STRUCTURE = frozenset({"non-finite-values", "tensor-shape-mismatch"})
 # More checks under one rule id (the table keeps one row per id).
 _EXTRA_CHECKS = {"bad-hyperparameter": (check_float_keys,)}
 

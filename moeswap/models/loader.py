@@ -19,13 +19,13 @@ from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
+from moeswap.formats.tensor_shapes import check_shapes
 from moeswap.formats.validation import refuse_invalid
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
 from moeswap.models.moe import DecisionRecorder, ExpertRunner
 from moeswap.models.quant_experts import ExpertLayout, FolderMxfp4Experts, QuantResidentExperts
 from moeswap.models.registry import family
-from moeswap.models.shapes import check_shapes
 from moeswap.models.weight_binding import BoundWeights
 from moeswap.quant import CpuKernels
 
