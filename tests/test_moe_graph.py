@@ -116,3 +116,39 @@ def test_expert_ids_outside_the_stack_are_refused(kernels):
         ids[1, 0] = bad
         with pytest.raises(ValueError, match="expert ids"):
             ffn.run(x, ids, weights)
+
+
+def test_a_streamed_step_reads_the_down_bias_with_the_down_matrix(tmp_path, monkeypatch):
+    """GPT-OSS (biases) in a prefill with more misses than staging slots: the step's graph is
+    cut at the activation and the down half is read in the second pass. Every staging slot is
+    scribbled between the passes, so a down bias read only in the first pass would show."""
+    import tiny_models
+
+    from moeswap.experts.build import build_store
+    from moeswap.experts.settings import OffloadSettings
+    from moeswap.experts.step_reads import StepReads
+    from moeswap.gguf_tools.convert import convert
+    from moeswap.models import load_model
+    from moeswap.models.quant_experts import QuantResidentExperts
+
+    tiny_models.save("gpt_oss", tmp_path / "hf")
+    path = convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0")
+    prompt = torch.randint(0, tiny_models.VOCAB, (8,), generator=torch.Generator().manual_seed(4))
+    resident = load_model(path, threads=1, expert_runner=QuantResidentExperts)
+    expected = resident.forward([prompt], [resident.new_cache()])[0]
+    second_pass, streamed = StepReads.second_pass, []
+
+    def scribbled(self, places, stats):
+        streamed.append(self.split)
+        if self.split:
+            self.r.staging.buffer[:] = 0x7F  # large finite fp16 / f32 garbage in every slot
+        return second_pass(self, places, stats)
+
+    monkeypatch.setattr(StepReads, "second_pass", scribbled)
+    sized = build_store(OffloadSettings(host_bytes=1 << 30, prefetch="off"))
+    load_model(path, threads=1, expert_runner=sized)
+    no_slots = sized.store.residency.charged["host"]  # what is paid before any host slot
+    store = build_store(OffloadSettings(host_bytes=no_slots, prefetch="off"))
+    model = load_model(path, threads=1, expert_runner=store)
+    assert torch.equal(model.forward([prompt], [model.new_cache()])[0], expected)
+    assert any(streamed)

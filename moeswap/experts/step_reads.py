@@ -12,9 +12,9 @@ staging ring by the store's passes. The store then walks
 No expert is read twice in a step. When the step's misses fit the ring, a staged expert is
 read whole in the first pass and its slot kept for the second. When more misses than ring
 slots come (prefill with small budgets), the ring streams: the first pass reads every piece
-but the down matrix, a slot taking the next queued expert as soon as its expert's gate/up
-products are done, and the second pass reads the down matrices the same way, while the
-experts held in slots compute their down products.
+but the down matrix, its bias and the output scale, a slot taking the next queued expert as
+soon as its expert's gate/up products are done, and the second pass reads those down pieces
+the same way, while the experts held in slots compute their down products.
 
 With device slots (``Residency.overlapped`` false) a transfer needs the bytes at once, so
 serve reads synchronously as before and the passes only hand the places back.
@@ -28,7 +28,7 @@ from collections import deque
 
 from moeswap.experts.disk_reads import ExpertRead
 from moeswap.experts.stats import LayerStats
-from moeswap.models.quant_experts import ExpertPart
+from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
 Key = tuple[int, int]  # (layer, expert)
 Place = tuple[str, int]  # (pool name, slot)
@@ -90,7 +90,7 @@ class StepReads:
             else:
                 yield expert, place
         layout = self.r.layouts[self.layer]
-        parts = [p for p in layout.parts if p != layout.matrices["down"]] if self.split else None
+        parts = [p for p in layout.parts if p not in _down_half(layout)] if self.split else None
         yield from self._stream(waiting, staged, parts, stats)
 
     def second_pass(self, places: dict[int, Place], stats: LayerStats):
@@ -102,7 +102,7 @@ class StepReads:
                 staged.append(expert)
             else:
                 yield expert, self.r.still_held((self.layer, expert), place, stats)
-        yield from self._stream({}, staged, [self.r.layouts[self.layer].matrices["down"]], stats)
+        yield from self._stream({}, staged, _down_half(self.r.layouts[self.layer]), stats)
 
     def _stream(self, waiting: dict[ExpertRead, tuple[int, Place]], staged: list[int],
                 parts: list[ExpertPart] | None, stats: LayerStats):
@@ -137,3 +137,10 @@ class StepReads:
         finally:  # an error or an abandoned step: no read may still write into a slot
             for read in waiting:
                 read.wait()
+
+
+def _down_half(layout: ExpertLayout) -> list[ExpertPart]:
+    """The pieces the second half of an expert's graph reads (moeswap.quant.moe_graph,
+    ``MoeFfn.finish``): the down matrix, its bias and the output scale."""
+    return [layout.matrices["down"],
+            *(layout.biases[kind] for kind in ("down", "scale") if kind in layout.biases)]
