@@ -40,7 +40,9 @@ class StepReads:
         self.r = residency
         self.layer = -1
         self.split = False  # this step streams its staged misses through the ring
-        self.pending: dict[Place, ExpertRead] = {}  # host slots being filled for this step
+        # this step's reads into host slots, by expert: (slot, read); by expert, not by place,
+        # since a slot can change hands within a step (more experts than host slots)
+        self.pending: dict[Key, tuple[int, ExpertRead]] = {}
         self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
         self._landed: queue.SimpleQueue[ExpertRead] = queue.SimpleQueue()
 
@@ -58,8 +60,12 @@ class StepReads:
         stats.disk_bytes += layout.expert_bytes
         self.unfilled.discard(key)
         if r.overlapped:
-            self.pending["host", index] = r.reads.submit(layout, key[1], slot, None,
-                                                         self._landed.put)
+            for other, (taken, read) in list(self.pending.items()):
+                if taken == index:  # evicted within the step, its read in flight: it lands first
+                    read.wait()
+                    del self.pending[other]
+            self.pending[key] = index, r.reads.submit(layout, key[1], slot, None,
+                                                      self._landed.put)
             return
         before = r.disk.stats.seconds
         r.disk.read_expert(layout, key[1], slot)
@@ -82,9 +88,9 @@ class StepReads:
             stats.requests += 1
             places.append((expert, serve(self.layer, expert, n_tokens, stats)))
         for expert, place in places:
-            read = self.pending.pop(place, None)
-            if read is not None:
-                waiting[read] = expert, place
+            filling = self.pending.pop((self.layer, expert), None)
+            if filling is not None:
+                waiting[filling[1]] = expert, place
             elif place[0] == "queued":
                 staged.append(expert)
             else:

@@ -122,7 +122,8 @@ class ExpertStore:
                 hits.discard(expert)
                 if hits:
                     continue
-            else:
+            else:  # one evicted meanwhile (more experts than slots) is read again
+                place = r.still_held((layer, expert), place, stats)
                 self._compute(layer, place[0], [(place[1], picks_of[expert])], step)
             self._compute_hits(layer, batch, picks_of, step, stats)
             batch = []
@@ -150,7 +151,8 @@ class ExpertStore:
         the first pass, down in the second; the same bits as one graph."""
         r, hidden, places = self.residency, {}, {}
         for expert, place in r.step.first_pass(requests, stats):
-            places[expert] = place
+            # one evicted meanwhile (more experts than slots) is read again
+            places[expert] = place = r.still_held((layer, expert), place, stats)
             slots = torch.full((picks_of[expert].numel(), 1), place[1], dtype=torch.int32)
             hidden[expert] = self._ffn(layer, place[0]).hidden(step.rows(picks_of[expert]), slots)
         for expert, place in r.step.second_pass(places, stats):
