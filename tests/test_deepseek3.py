@@ -66,10 +66,10 @@ def moeswap_logits(path) -> torch.Tensor:
     return model.forward([PROMPT], [model.new_cache()])[0]
 
 
-def llama_cpp_logits(path) -> np.ndarray:
+def llama_cpp_logits(path, kv_type: int = GGML_TYPE_F32) -> np.ndarray:
     llama_cpp = pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=GGML_TYPE_F32,
-                          type_v=GGML_TYPE_F32, flash_attn=False, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=kv_type,
+                          type_v=kv_type, flash_attn=False, n_threads=2, verbose=False)
     llm.eval(PROMPT.tolist())
     return np.array(llm.scores[: len(PROMPT)], dtype=np.float64)
 

@@ -39,6 +39,7 @@ from test_deepseek3 import (PROMPT, assert_matches_transformers, greedy, llama_c
 from tiny_models import relative_error
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
+GGML_TYPE_F16 = 1  # llama.cpp's type_k / type_v for an f16 cache
 CONTEXT = 64  # test_deepseek3.llama_cpp_logits' n_ctx (llama.cpp pads it to 256): moeswap's too
 MSCALE = 1.3  # short_mscale = long_mscale, as Phi-3.5-MoE publishes them (equal)
 # (original context, positions) of each LongRoPE shape
@@ -75,21 +76,26 @@ def build_phimoe(shape: str):
     return model
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def files(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(f"phimoe_{request.param}")
-    reference = build_phimoe(request.param)
-    folder = root / "hf"
+def save_phimoe(shape: str, folder: Path):
+    """build_phimoe's model saved to folder as the reference converter reads it; returns it."""
+    reference = build_phimoe(shape)
     reference.save_pretrained(folder)
     tiny_models.save_tokenizer(folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(config, architectures=["PhiMoEForCausalLM"])))
+    return reference
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def files(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"phimoe_{request.param}") / "hf"
+    reference = save_phimoe(request.param, folder)
     return (request.param, reference, folder,
             {t: reference_convert(folder, t) for t in ("f32", "q8_0")})
 
 
-def logits(path, context: int = CONTEXT) -> torch.Tensor:
-    model = load_model(path, context_tokens=context)
+def logits(path, context: int = CONTEXT, kv_type: str = "f32") -> torch.Tensor:
+    model = load_model(path, context_tokens=context, kv_type=kv_type)
     return model.forward([PROMPT], [model.new_cache()])[0]
 
 
@@ -124,6 +130,18 @@ def test_hf_folder_matches_transformers(files):
 def test_gguf_matches_llama_cpp(files, out_type):
     path = files[3][out_type]
     assert relative_error(logits(path), llama_cpp_logits(path)) <= 1e-4
+
+
+@pytest.mark.llama_cpp
+def test_f16_kv_matches_llama_cpp_rounding_the_scaled_q(tmp_path, monkeypatch):
+    """llama.cpp's Phi-3 graph scales q before attention (kq_scale 1), so an f16 cache rounds
+    q * scale, which differs from scaling the rounded q unless the scale is a power of two. With
+    heads 12 wide: 1.8e-4 when moeswap scaled the f16 dot products, 2.9e-5 now."""
+    monkeypatch.setitem(tiny_models.COMMON, "hidden_size", 48)  # 4 heads of 12
+    save_phimoe("long", tmp_path / "hf")
+    path = reference_convert(tmp_path / "hf", "f32")
+    reference = llama_cpp_logits(path, GGML_TYPE_F16)
+    assert relative_error(logits(path, kv_type="f16"), reference) <= 1e-4
 
 
 def test_the_gguf_takes_long_factors_beyond_the_original_context(files):

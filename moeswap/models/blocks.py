@@ -251,6 +251,9 @@ class AttentionSpec:
     window: int = 0  # sliding window (0: full causal attention)
     chunked: bool = False  # the window is an aligned chunk, not a sliding window (Llama 4)
     softcap: float = 0.0  # tanh soft cap on the scores (0: none)
+    # The scale multiplies q before q.k (llama.cpp's Gemma 3 and Phi-3 graphs scale Qcur, kq_scale
+    # 1), so an f16 cache rounds the scaled q; otherwise the softmax scales the f16 dot products.
+    scale_q: bool = False
 
 
 class Attention:
@@ -296,6 +299,8 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
     are rounded to their type first: ggml's CPU mul_mat converts its f32 operand to the cache's
     type before each dot product (llama.cpp's attention without flash attention).
     """
+    if s.scale_q:
+        q = q * s.scale  # [T, H, E]
     narrow = keys.dtype if keys.dtype != q.dtype else None
     if narrow is not None:
         q = q.to(narrow).to(q.dtype)  # [T, H, E], rounded as ggml rounds it
@@ -311,7 +316,8 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
     rows = s.n_head * n_new
     scores = logits.view(-1)[:rows * n_keys].view(s.n_head_kv, group, n_new, n_keys)  # packed
     torch.matmul(qg, kt, out=scores)  # [K, G, T, S]
-    scores.mul_(s.scale)
+    if not s.scale_q:
+        scores.mul_(s.scale)
     if s.softcap:
         scores.div_(s.softcap).tanh_().mul_(s.softcap)
     q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]

@@ -6,7 +6,7 @@ Norm weights already include Gemma's +1 (the converter adds it; the HF loader do
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -41,7 +41,9 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: Any,
     local_rope = Rope(c.n_rot, c.rope_base_swa, 1.0, neox=True)
     layers = []
     for i in range(c.n_layer):
-        attention = Attention(i, attention_weights(weights, i), attention_spec(c, i),
+        # llama.cpp scales Qcur before attention (kq_scale 1): an f16 cache rounds the scaled q
+        spec = replace(attention_spec(c, i), scale_q=True)
+        attention = Attention(i, attention_weights(weights, i), spec,
                               local_rope if c.swa_layers[i] else global_rope)
         p = f"blk.{i}."
         layers.append(SandwichLayer(

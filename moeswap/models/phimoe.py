@@ -11,7 +11,7 @@ Legend: N tokens, D model width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -120,7 +120,9 @@ def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
     moe = set(config.moe_layers)
     layers = []
     for i in range(config.n_layer):
-        attention = Attention(i, attention_weights(weights, i), attention_spec(config, i), rotary)
+        # llama.cpp's Phi-3 graph scales Qcur before attention: an f16 cache rounds the scaled q
+        spec = replace(attention_spec(config, i), scale_q=True)
+        attention = Attention(i, attention_weights(weights, i), spec, rotary)
         ffn = (MoEBlock(i, router(config, weights, i), experts, recorder=recorder) if i in moe
                else dense_ffn(weights, i))
         layers.append(BiasedNormLayer(norm(f"blk.{i}.attn_norm"), attention,
