@@ -56,7 +56,9 @@ def one_thread():
 
 
 def load(path, **options):
-    return moeswap.load(path, threads=1, tokenizer_cache_dir=path.parent / "cache", **options)
+    """One kernel thread; the tokenizer cache is the run's temporary one (conftest), never a
+    folder beside the model, which for the built-in model is inside the package."""
+    return moeswap.load(path, threads=1, **options)
 
 
 @pytest.fixture(scope="module")
