@@ -181,8 +181,7 @@ def test_tools_and_store_hold_the_selection_bias_as_a_shared_weight(files):
     from moeswap.formats.gguf_moe import ROUTER, MoEView
     from moeswap.gguf_tools.doctor import diagnose
     from moeswap.gguf_tools.inspect import inspect_file
-    from moeswap.models.quant_experts import QuantResidentExperts
-    from test_expert_store import decode_logits, plan, store_model
+    from test_expert_store import assert_offload_equals_resident
 
     _, _, _, paths = files
     path = paths["q8_0"]
@@ -194,11 +193,7 @@ def test_tools_and_store_hold_the_selection_bias_as_a_shared_weight(files):
         assert bias in MoEView(gguf).layer(layer).of(ROUTER)
     routed = sum(t.n_bytes for t in gguf.tensors if "_exps." in t.name)
     assert shared_bytes(gguf, [1, 2]) == sum(t.n_bytes for t in gguf.tensors) - routed
-    resident = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
-    _, _, layers, _ = plan(path)
-    model, factory = store_model(path, len(layers))
-    assert torch.equal(decode_logits(model), resident)
-    assert factory.stats()["total"]["disk_misses"] > 0
+    assert_offload_equals_resident(path)
 
 
 def test_multi_token_prediction_layer_is_skipped(tmp_path):

@@ -69,6 +69,17 @@ def store_model(path, host_slots: int, device_slots: int = 0, **options):
     return load_model(path, threads=1, expert_runner=factory), factory
 
 
+def assert_offload_equals_resident(path) -> list[int]:
+    """A store with one host slot per MoE layer gives the resident model's logits bit for bit
+    while reading experts from the file; returns the MoE layers the plan found."""
+    resident = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
+    _, _, layers, _ = plan(path)
+    model, factory = store_model(path, len(layers))
+    assert torch.equal(decode_logits(model), resident)
+    assert factory.stats()["total"]["disk_misses"] > 0
+    return layers
+
+
 def test_store_logits_are_bitwise_the_resident_models(quantized_file):
     # One kernel thread: on a shared 2-core machine a second ggml worker stalls every call.
     resident = load_model(quantized_file, threads=1, expert_runner=QuantResidentExperts)

@@ -119,9 +119,8 @@ def test_tools_and_store_know_the_family(files):
     from moeswap.formats.gguf_moe import ROUTER, MoEView
     from moeswap.gguf_tools.doctor import diagnose
     from moeswap.gguf_tools.inspect import inspect_file
-    from moeswap.models.quant_experts import QuantResidentExperts
     from moeswap.planner.sizes import model_sizes
-    from test_expert_store import decode_logits, plan, store_model
+    from test_expert_store import assert_offload_equals_resident
 
     variant, _, _, paths = files
     path = paths["q8_0"]
@@ -136,9 +135,4 @@ def test_tools_and_store_know_the_family(files):
     assert shared_bytes(gguf, [1, 2]) == sum(t.n_bytes for t in run) - routed
     sizes = model_sizes(gguf)
     assert sizes.moe_layers == [1, 2] and sizes.total_bytes == sum(t.n_bytes for t in run)
-    resident = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
-    _, _, layers, _ = plan(path)
-    assert layers == [1, 2]
-    model, factory = store_model(path, len(layers))
-    assert torch.equal(decode_logits(model), resident)
-    assert factory.stats()["total"]["disk_misses"] > 0
+    assert assert_offload_equals_resident(path) == [1, 2]

@@ -209,10 +209,9 @@ def test_tools_and_store_know_the_family(files, capsys, monkeypatch):
     from moeswap.experts.store import shared_bytes
     from moeswap.gguf_tools.doctor import diagnose
     from moeswap.gguf_tools.inspect import inspect_file
-    from moeswap.models.quant_experts import QuantResidentExperts
     from moeswap.cli import main
     from moeswap.planner.sizes import model_sizes
-    from test_expert_store import decode_logits, plan, store_model
+    from test_expert_store import assert_offload_equals_resident
 
     path = files[2]["q8_0"]
     assert diagnose(path).findings == []
@@ -227,9 +226,4 @@ def test_tools_and_store_know_the_family(files, capsys, monkeypatch):
     routed = sum(t.n_bytes for t in gguf.tensors if "_exps." in t.name)
     assert shared_bytes(gguf, [1, 3]) == sum(t.n_bytes for t in gguf.tensors) - routed
     assert model_sizes(gguf).moe_layers == [1, 3]
-    resident = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
-    _, _, layers, _ = plan(path)
-    assert layers == [1, 3]
-    model, factory = store_model(path, len(layers))
-    assert torch.equal(decode_logits(model), resident)
-    assert factory.stats()["total"]["disk_misses"] > 0
+    assert assert_offload_equals_resident(path) == [1, 3]
