@@ -141,10 +141,8 @@ def test_kimi_k2_yarn_betas_follow_llama_cpp(files):
     assert (hf_yarn.beta_fast, hf_yarn.beta_slow) == (1.0, 1.0)
 
 
-def test_selection_bias_and_group_limit_change_the_routing(tmp_path):
-    """In transformers' own router, on the tiny model's real hidden states: dropping the bias,
-    or the group limit, changes the chosen experts of many tokens in every MoE layer."""
-    model = tiny_models.build("deepseek3")
+def router_inputs(model) -> dict[int, torch.Tensor]:
+    """{MoE layer: the hidden states [N, D] its transformers router saw on PROMPT}."""
     inputs = {}
     hooks = [layer.mlp.gate.register_forward_hook(
         lambda gate, args, out, i=i: inputs.__setitem__(i, args[0].reshape(-1, args[0].shape[-1])))
@@ -152,6 +150,14 @@ def test_selection_bias_and_group_limit_change_the_routing(tmp_path):
     tiny_models.reference_logits(model, PROMPT.tolist())
     for hook in hooks:
         hook.remove()
+    return inputs
+
+
+def test_selection_bias_and_group_limit_change_the_routing(tmp_path):
+    """In transformers' own router, on the tiny model's real hidden states: dropping the bias,
+    or the group limit, changes the chosen experts of many tokens in every MoE layer."""
+    model = tiny_models.build("deepseek3")
+    inputs = router_inputs(model)
     assert sorted(inputs) == [1, 2]
     for i, h in inputs.items():
         gate = model.model.layers[i].mlp.gate

@@ -24,8 +24,8 @@ import tiny_models
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models import load_model
-from test_deepseek3 import (PROMPT, assert_matches_transformers, llama_cpp_logits, moeswap_logits,
-                            reference_convert)
+from test_deepseek3 import (assert_matches_transformers, llama_cpp_logits, moeswap_logits,
+                            reference_convert, router_inputs)
 from tiny_models import relative_error
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
@@ -93,13 +93,7 @@ def test_selection_bias_changes_the_routing():
     """In transformers' own router, on the tiny model's real hidden states: dropping the
     selection bias changes the chosen experts of many tokens in every MoE layer."""
     model = tiny_models.build("glm4moe")
-    inputs = {}
-    hooks = [layer.mlp.gate.register_forward_hook(
-        lambda gate, args, out, i=i: inputs.__setitem__(i, args[0].reshape(-1, args[0].shape[-1])))
-        for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
-    tiny_models.reference_logits(model, PROMPT.tolist())
-    for hook in hooks:
-        hook.remove()
+    inputs = router_inputs(model)
     assert sorted(inputs) == [1, 2]
     for i, h in inputs.items():
         gate = model.model.layers[i].mlp.gate
