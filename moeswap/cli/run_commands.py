@@ -69,8 +69,9 @@ def run_generate(args) -> int:
         budgets = (auto_budgets(args, model_path, context, progress.console, step)
                    if args.plan == "auto" else None)
         settings = offload_settings(args, budgets)
+        # force: cli.main validated the file (or was told --force) before the plan read it
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
-                               force=args.force, repack=not args.exact_tiers,
+                               force=True, repack=not args.exact_tiers,
                                recorder=recorder, replay_routing=args.replay_routing,
                                **offload_load_options(settings, HostCharge.for_sequence(
                                    context, step, args.kv_type), args.threads))
