@@ -16,6 +16,7 @@ from moeswap.models.moe import DecisionRecorder, ExpertRunner, SharedExpert
 
 
 def ungated_shared_expert(weights: Any, layer: int) -> SharedExpert:
+    """The shared expert of ``layer``, without a gate (GLM-4.5, Granite-MoE-Shared, Llama 4)."""
     return SharedExpert(dense_ffn(weights, layer, "_shexp"))
 
 

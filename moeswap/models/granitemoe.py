@@ -9,12 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from moeswap.formats.config import ModelConfig
-from moeswap.models.causal_lm import CausalLM, build_pre_norm, dense_ffn
-from moeswap.models.moe import DecisionRecorder, ExpertRunner, SharedExpert
-
-
-def ungated_shared_expert(weights: Any, layer: int) -> SharedExpert:
-    return SharedExpert(dense_ffn(weights, layer, "_shexp"))
+from moeswap.models.causal_lm import CausalLM, build_pre_norm
+from moeswap.models.glm4moe import ungated_shared_expert
+from moeswap.models.moe import DecisionRecorder, ExpertRunner
 
 
 def build(config: ModelConfig, source: Any, weights: Any, experts: ExpertRunner,
