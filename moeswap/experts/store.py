@@ -7,6 +7,11 @@ prefetched guess) are served first, and the hits of each slot pool run as one fu
 (moeswap.quant.moe_graph) over a view of the pool whose expert i is slot i. Then each miss runs
 as its own graph as soon as its bytes are in (a later read may reuse its staging slot).
 
+A step is a whole forward's tokens for the layer (a prefill chunk of up to ``--step-tokens``),
+not one piece of it: each expert the step needs is served once, so a miss is read once however
+many pieces of MAX_TOKENS_PER_CALL tokens pick it, and its picks are then computed piece by
+piece (``picks_by_piece``), on the token groups the resident runner's pieces make.
+
 Every pick goes through the resident runner's graph on the same token groups (ggml's
 ``mul_mat_id`` groups an expert's tokens wherever its bytes lie), and the picks' weighted rows
 are summed in the graph's order, so logits are bit-identical to the fully resident model at any
@@ -16,13 +21,10 @@ and it is counted.
 ``miss_lowbit`` (``--miss-lowbit``) is the other: misses no tier admits are computed from
 low-bit copies held in RAM instead of read from the file (moeswap.experts.lowbit); counted.
 
-Legend: N tokens, T tokens of one piece, K picks per token, D model width, F expert width,
-M picks of one expert.
+Legend: N tokens of a step, K picks per token, D model width, F expert width, P picks.
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 
@@ -37,7 +39,7 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_moe import MoEView
 from moeswap.memory import HostCharge
 from moeswap.models.quant_experts import (GLUS, ExpertLayout, combine, group_picks,
-                                          per_matrix_step, run_in_pieces)
+                                          per_matrix_step, picks_by_piece)
 from moeswap.quant import CpuKernels
 from moeswap.quant.moe_graph import MoeFfn, pool_stacks
 
@@ -76,16 +78,12 @@ class ExpertStore:
         self._pool_ffn: dict[tuple[str, int], MoeFfn] = {}  # (pool, layout) -> its graphs
         self.residency.prefill_policies()
 
-    def run(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
+    def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
             weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
+        """x [N, D], ids/weights [N, K] -> [N, D]: one step, each expert it needs served once;
+        the hits' graphs, then each miss's."""
         if self.lookahead is not None:
-            self.lookahead.before_step(layer, x, expert_ids)
-        return run_in_pieces(partial(self._piece, layer), x, expert_ids, weights)
-
-    def _piece(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
-               weights: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids/weights [T, K] -> [T, D]: the hits' graphs, then each miss's."""
+            self.lookahead.before_step(layer, x, ids)
         layout, stats = self.layouts[layer], self.layer_stats[layer]
         keep = None
         if self.settings.threshold > 0:
@@ -153,29 +151,31 @@ class ExpertStore:
         for expert, place in r.step.first_pass(requests, stats):
             # one evicted meanwhile (more experts than slots) is read again
             places[expert] = place = r.still_held((layer, expert), place, stats)
-            slots = torch.full((picks_of[expert].numel(), 1), place[1], dtype=torch.int32)
-            hidden[expert] = self._ffn(layer, place[0]).hidden(step.rows(picks_of[expert]), slots)
+            ffn = self._ffn(layer, place[0])
+            hidden[expert] = [ffn.hidden(step.rows(picks), _slots(picks, place[1]))
+                              for picks in step.pieces(picks_of[expert])]  # [p, 1, F] each
         for expert, place in r.step.second_pass(places, stats):
-            picks = picks_of[expert]
-            slots = torch.full((picks.numel(), 1), place[1], dtype=torch.int32)
-            step.picked[picks] = self._ffn(layer, place[0]).finish(
-                hidden.pop(expert), slots, step.weights.flatten()[picks, None])
+            ffn = self._ffn(layer, place[0])
+            for picks, h in zip(step.pieces(picks_of[expert]), hidden.pop(expert)):
+                step.picked[picks] = ffn.finish(h, _slots(picks, place[1]),
+                                                step.weights.flatten()[picks, None])
 
     def _compute(self, layer: int, pool: str, entries: list[tuple[int, torch.Tensor]],
                  step: _Step) -> None:
-        """The picks of experts held in ``pool`` (entries: slot, picks as indices into T*K), as
-        one graph -> their weighted rows, written into ``step.picked``."""
-        picks = torch.cat([p for _, p in entries]).sort().values  # [P], tokens ascending
+        """The picks of experts held in ``pool`` (entries: slot, picks as indices into N*K), as
+        one graph a piece -> their weighted rows, written into ``step.picked``."""
         slot_of = torch.empty(step.ids.numel(), dtype=torch.int32)
         for index, p in entries:
             slot_of[p] = index
-        rows = step.rows(picks)  # [P, D]
-        weights = step.weights.flatten()[picks, None]  # [P, 1]
-        r = self.residency
-        if pool == "device" and r.on_torch_device:
-            step.picked[picks] = self._device_rows(layer, entries, rows, weights, picks)
-            return
-        step.picked[picks] = self._ffn(layer, pool).run(rows, slot_of[picks, None], weights)
+        on_torch = pool == "device" and self.residency.on_torch_device
+        for picks in step.pieces(torch.cat([p for _, p in entries]).sort().values):
+            rows = step.rows(picks)  # [P, D]
+            weights = step.weights.flatten()[picks, None]  # [P, 1]
+            if on_torch:
+                step.picked[picks] = self._device_rows(layer, entries, rows, weights, picks)
+            else:
+                step.picked[picks] = self._ffn(layer, pool).run(rows, slot_of[picks, None],
+                                                                weights)
 
     def _ffn(self, layer: int, pool: str) -> MoeFfn:
         """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout."""
@@ -202,6 +202,8 @@ class ExpertStore:
             expert = self.residency.pools["device"].expert(index, self.layouts[layer])
             mine = torch.isin(picks, p)  # [P] this expert's picks
             n = int(mine.sum())
+            if not n:  # none in this piece
+                continue
             vectors = {kind: v.float().expand(n, -1) for kind, v in expert.biases.items()}
             out[mine] = per_matrix_step(
                 lambda kind, x, ids, expert=expert, n=n: expert.matrices[kind].matmul(
@@ -213,8 +215,8 @@ class ExpertStore:
     def _threshold(self, layout: ExpertLayout, ids: torch.Tensor, weights: torch.Tensor,
                    stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
         """Drop picks weighted under the threshold (never a token's top pick); rescale the rest
-        to the original sum. -> (weights [T, K], kept [T*K] bool)."""
-        keep = weights >= self.settings.threshold  # [T, K]
+        to the original sum. -> (weights [N, K], kept [N*K] bool)."""
+        keep = weights >= self.settings.threshold  # [N, K]
         keep[torch.arange(ids.shape[0]), weights.argmax(dim=1)] = True
         kept = torch.where(keep, weights, torch.zeros_like(weights))
         scaled = kept * (weights.sum(dim=1, keepdim=True) / kept.sum(dim=1, keepdim=True))
@@ -260,9 +262,18 @@ class _Step:
     """A layer step's inputs and the weighted output rows of its picks, filled pool by pool."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        self.x, self.ids, self.weights = x, ids, weights  # [T, D], [T, K], [T, K]
-        self.picked = x.new_zeros(ids.numel(), x.shape[1])  # [T*K, D]
+        self.x, self.ids, self.weights = x, ids, weights  # [N, D], [N, K], [N, K]
+        self.picked = x.new_zeros(ids.numel(), x.shape[1])  # [N*K, D]
 
     def rows(self, picks: torch.Tensor) -> torch.Tensor:
-        """picks [P] (indices into T*K) -> their tokens' rows [P, D]."""
+        """picks [P] (indices into N*K) -> their tokens' rows [P, D]."""
         return self.x[picks // self.ids.shape[1]]
+
+    def pieces(self, picks: torch.Tensor) -> list[torch.Tensor]:
+        """picks [P] ascending -> those of each piece of MAX_TOKENS_PER_CALL tokens."""
+        return picks_by_piece(picks, self.ids.shape[1])
+
+
+def _slots(picks: torch.Tensor, index: int) -> torch.Tensor:
+    """[P, 1]: every pick's expert in slot ``index``."""
+    return torch.full((picks.numel(), 1), index, dtype=torch.int32)

@@ -12,8 +12,9 @@ its slot pools, on the picks whose experts lie in each pool, and sums the picks'
 graph does (``combine``). Both give bit-identical logits: ggml's ``mul_mat_id`` multiplies each
 expert's tokens as one group whatever stack holds the expert (docs/KERNELS.md, "Exactness
 across tiers"); the activation is ggml's in both, row by row; adds and multiplies are single
-IEEE operations; and both cut a batch into the same pieces of at most ``MAX_TOKENS_PER_CALL``
-tokens (``run_in_pieces``). ``per_matrix_step`` is the per-matrix path the graph replaced
+IEEE operations; and both compute on the same pieces of at most ``MAX_TOKENS_PER_CALL``
+tokens (``run_in_pieces``; the store cuts each expert's picks of a whole step so,
+``picks_by_piece``). ``per_matrix_step`` is the per-matrix path the graph replaced
 (three products, torch between them), kept as the reference the graph is tested against and
 for the torch device tier.
 
@@ -190,6 +191,15 @@ def run_in_pieces(piece, x: torch.Tensor, expert_ids: torch.Tensor,
         end = min(start + MAX_TOKENS_PER_CALL, x.shape[0])
         out[start:end] = piece(x[start:end], expert_ids[start:end], weights[start:end])
     return out
+
+
+def picks_by_piece(picks: torch.Tensor, n_picked: int) -> list[torch.Tensor]:
+    """picks [P] ascending (indices into N*K, K = ``n_picked``) -> those of each piece
+    ``run_in_pieces`` cuts, in order: the offload store reads an expert once for a whole step
+    and computes its picks on these pieces, the resident runner's token groups."""
+    piece = picks // (n_picked * MAX_TOKENS_PER_CALL)  # [P]
+    counts = torch.unique_consecutive(piece, return_counts=True)[1]
+    return list(picks.split(counts.tolist()))
 
 
 class QuantResidentExperts:
