@@ -1,6 +1,7 @@
 """Prefetch in the expert store: output bit-identical with it on or off, for every predictor and
 depth; budgets that hold; this layer's experts never evicted by a guess; stale reads cancelled;
-recall and precision counted right; the gate predictor is the next router's top-k.
+recall and precision counted right; the gate predictor is the next router's top-k. The throttle
+on its own: test_prefetch_throttle.py; uploads to the device: test_prefetch_device.py.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tiny_models
-from moeswap.experts.device import TorchDeviceSlots
-from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, IdleLink,
-                                      Prefetcher, Throttle)
+from moeswap.experts.prefetch import Prefetcher
 from moeswap.experts.store import ExpertStore
 from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import piece_offsets
@@ -301,81 +300,6 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
     assert not any(t.is_alive() for t in threads[-1])
 
 
-# -- the throttle: prefetch kept only where forwards with it are measured faster ---------------
-
-class _Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def _run_forwards(throttle, clock, n, seconds_on, seconds_off, n_tokens=1) -> list[bool]:
-    states = []
-    for _ in range(n):
-        states.append(throttle.forward(n_tokens))
-        clock.now += seconds_on if states[-1] else seconds_off
-    return states
-
-
-def test_throttle_keeps_prefetch_that_pays_and_rechecks_it():
-    clock = _Clock()
-    t = Throttle(clock)
-    states = _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.75, 1.0)
-    # 8 forwards timed off, 8 on (each timed when the next starts), then on again: it won
-    assert states == [False] * PROBE_FORWARDS + [True] * PROBE_FORWARDS + [True]
-    assert (t.probes, t.probes_won, t.medians) == (1, 1, (0.75, 1.0))
-    states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.75, 1.0)
-    assert all(states) and t.probes == 1
-    assert t.forward(1) is False and t._probing  # probing again, off first
-
-
-def test_throttle_turns_prefetch_off_when_not_faster_and_backs_off():
-    clock = _Clock()
-    t = Throttle(clock)
-    probe = 1 + 2 * PROBE_FORWARDS
-    _run_forwards(t, clock, probe, 0.99, 1.0)  # 1 % faster is inside the margin: off
-    assert (t.probes, t.probes_won, t.on) == (1, 0, False)
-    states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.99, 1.0)
-    assert not any(states)  # off, with no work, for RECHECK_FORWARDS forwards
-    # the next probe: off, then on, cut short after EARLY_FORWARDS slower forwards
-    states = _run_forwards(t, clock, PROBE_FORWARDS + EARLY_FORWARDS + 1, 1.2, 1.0)
-    assert states == [False] * PROBE_FORWARDS + [True] * EARLY_FORWARDS + [False]
-    assert t.probes == 2 and t._hold == 2 * RECHECK_FORWARDS  # the pause doubled
-    assert t.forwards_on == PROBE_FORWARDS + EARLY_FORWARDS
-
-
-def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
-    clock = _Clock()
-    t = Throttle(clock)
-    for n_tokens in (40, 1, 7, 3):  # a prefill, then batch sizes changing: nothing timed
-        t.forward(n_tokens)
-        clock.now += 100.0
-    assert t._times == {True: [], False: []}
-    _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.5, 1.0)
-    assert t.medians == (0.5, 1.0)  # the 100 s forwards counted nowhere
-
-
-def test_idle_link_budget_is_the_off_forwards_idle_time_at_the_read_rate():
-    clock = iter([0.0, 0.010, 0.020, 0.030, 0.040, 0.050])
-    link = IdleLink(clock=lambda: next(clock))
-    read = dict(read_bytes=100_000, read_seconds=0.001)  # 100 MB/s
-    link.forward(1, 0.000, on=False, **read)
-    assert link.per_forward is None and link.allows()  # nothing timed yet: unlimited
-    link.forward(1, 0.006, on=False, **read)  # 10 ms forward, 6 ms stalled: 4 ms idle
-    assert link.per_forward == pytest.approx(400_000)  # 4 ms at 100 MB/s
-    link.spend(300_000)
-    assert link.allows()
-    link.spend(200_000)  # the last read may overshoot; then nothing more this forward
-    assert not link.allows()
-    link.forward(4, 0.010, on=False, **read)  # a forward of another size: not timed
-    link.forward(4, 0.019, on=True, **read)  # 10 ms, 9 ms stalled: 1 ms idle
-    assert link.per_forward == pytest.approx(250_000)  # the median of 4 and 1 ms
-    link.forward(4, 0.029, on=False, **read)  # a forward with prefetch on: not an idle sample
-    assert link.per_forward == pytest.approx(250_000) and link.allows()
-
-
 def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral):
     store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "both", 4)
     reading_every_guess(store)
@@ -399,115 +323,3 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
     assert [job.state for job in store.residency.guesses.reads.values()] in ([], ["running"])
     gate.set()
     store.close()
-
-
-# -- GPU prefetch: uploads on a copy stream, ordered by events (logic checked on CPU tensors) ---
-
-class _DeferredCopies:
-    """A copy stream that runs its copies, in order, only when one of their events is waited
-    on: a slot read before its event was waited on, or a ring buffer reused before its copy ran,
-    would hold the wrong bytes."""
-
-    def __init__(self):
-        self.queue: list[tuple[torch.Tensor, torch.Tensor, object]] = []
-        self.log: list[str] = []
-
-    def copy(self, target, source):
-        event = _Event(self)
-        self.queue.append((target, source, event))
-        return event
-
-    def run_until(self, event) -> None:
-        while any(e is event for _, _, e in self.queue):
-            target, source, done = self.queue.pop(0)
-            target.copy_(source)
-
-    def compute_waits(self, event) -> None:
-        self.log.append("compute waits")
-        self.run_until(event)
-
-
-class _Event:
-    def __init__(self, copies):
-        self.copies = copies
-
-    def synchronize(self):
-        self.copies.log.append("host waits")
-        self.copies.run_until(self)
-
-
-def test_device_slots_wait_for_their_upload_and_reuse_the_ring_only_after_its_copy():
-    slots = TorchDeviceSlots("cpu", n_slots=3, slot_size=64, ring=2)
-    slots.copies = copies = _DeferredCopies()
-    slots.pool.zero_()
-    sources = [np.full(64, value, dtype=np.uint8) for value in (1, 2, 3)]
-    slots.upload(0, sources[0])
-    slots.upload(1, sources[1])
-    assert copies.log == [] and not slots.slot(0).any()  # both copies in flight
-    slots.upload(2, sources[2])  # ring buffer 0 again: its copy into slot 0 must run first
-    assert copies.log == ["host waits"] and bool((slots.slot(0) == 1).all())
-    assert not slots.slot(2).any()
-    layout = type("Layout", (), {"parts": [], "matrices": {}, "biases": {}})()
-    slots.expert(2, layout)  # the first reader of slot 2 waits on its upload's event
-    assert copies.log == ["host waits", "compute waits"]
-    assert [int(slots.slot(i)[0]) for i in range(3)] == [1, 2, 3]
-    slots.expert(2, layout)  # later readers need no wait: the stream order holds
-    assert copies.log == ["host waits", "compute waits"]
-
-
-def _device_store(path, device_slots, prefetch):
-    gguf = GGUFFile.open(path)
-    fixed, slot, layers, n_experts = plan(path)
-    store = ExpertStore(gguf, CpuKernels(1), layers, "silu",
-                        OffloadSettings(host_bytes=fixed + 2 * len(layers) * slot,
-                                     device_bytes=device_slots * slot, miss="transfer",
-                                     device_backend="cpu", prefetch=prefetch, prefetch_depth=2),
-                        routers=routers_of(path, layers))
-    store.residency.pools["device"].copies = _DeferredCopies()
-    return reading_every_guess(store)
-
-
-def test_guesses_are_uploaded_ahead_exactly_within_the_device_budget(deep_mixtral):
-    _, slot, layers, n_experts = plan(deep_mixtral)
-    device_slots = 5
-    with_prefetch = _device_store(deep_mixtral, device_slots, "gate")
-    without = _device_store(deep_mixtral, device_slots, "off")
-    routers = with_prefetch.lookahead.prefetch.routers
-    file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
-    generator = torch.Generator().manual_seed(3)
-    for step in range(12):
-        x = torch.randn(2, 64, generator=generator)  # every layer sees it: the guesses are right
-        for layer in layers:
-            ids, weights = routers[layer](x)
-            needed = {(layer, e) for e in ids.flatten().tolist()}
-            on_device = needed & set(with_prefetch.residency.slots["device"])
-            assert torch.equal(with_prefetch.run(layer, x, ids, weights),
-                               without.run(layer, x, ids, weights))  # both computed there
-            assert with_prefetch.held_bytes()["device"] <= device_slots * slot
-            assert on_device <= set(with_prefetch.residency.slots["device"])  # guesses evicted none
-            pending = with_prefetch.lookahead._to_upload
-            assert all(key[0] > layer for key in pending)  # stale device guesses dropped
-    assert with_prefetch.lookahead.prefetch.counts.uploads > 0
-    assert with_prefetch.stats()["total"]["device_hits"] > without.stats()["total"]["device_hits"]
-    pool = with_prefetch.residency.pools["device"]
-    if pool.copies.queue:  # the copies still in flight land
-        pool.copies.run_until(pool.copies.queue[-1][2])
-    for key, index in with_prefetch.residency.slots["device"].items():  # each holds its expert
-        layout = with_prefetch.layouts[key[0]]
-        for part, offset in zip(layout.parts, piece_offsets(layout)):
-            start = part.data_start + key[1] * part.expert_bytes
-            assert np.array_equal(pool.slot(index)[offset:offset + part.expert_bytes].numpy(),
-                                  file_bytes[start:start + part.expert_bytes])
-    with_prefetch.close()
-
-
-def test_throttle_cuts_a_probe_short_when_prefetch_costs_more_than_it_hides():
-    clock = _Clock()
-    t = Throttle(clock)
-    _run_forwards(t, clock, PROBE_FORWARDS, 1.0, 1.0)  # the off arm
-    for forward in range(EARLY_FORWARDS):  # on forwards timed faster, but costing more than
-        assert t.forward(1)                 # they hid: the cost rule alone cuts the probe
-        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001
-        clock.now += 0.5
-    assert not t.forward(1) and (t.probes, t.probes_won) == (1, 0)
-    assert t.forwards_on == EARLY_FORWARDS and t._hold == RECHECK_FORWARDS
