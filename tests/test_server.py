@@ -1,10 +1,11 @@
 """The OpenAI-compatible server on a tiny Mixtral-layout GGUF through the real engine:
 responses and SSE chunks in OpenAI's shapes, batched greedy decoding equal to one request at
-a time, the API key, back-pressure, cancellation, context limits, and a 4xx for bad input."""
+a time, n choices, the metrics; and the helpers the other server tests import. Bad input and
+the API key: test_server_bad_requests.py; back-pressure, cancellation, context limits and stop
+strings: test_server_limits.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -13,17 +14,14 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from gguf import GGUFValueType as T
-from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import moeswap
-from moeswap.context_window import ContextOverflow, fit_context
 from moeswap.experts.build import build_store
 from moeswap.experts.settings import OffloadSettings
 from moeswap.memory import HostCharge
 from moeswap.sampling import GREEDY, Sampler
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions, BatchScheduler
-from moeswap.server.choices import StopStrings
 
 # Roles become letters the tiny vocabulary has (a..z); the reply starts after "a".
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'][0] }}{{ m['content'] }}{% endfor %}"
@@ -252,196 +250,6 @@ def test_batched_requests_share_expert_loads(tiny_path, tmp_path):
     assert 0 < batched_bytes < sequential_bytes
 
 
-def test_api_key_is_required_except_for_health(runtime):
-    with serve(runtime, api_key="s3cret") as client:
-        assert client.get("/health").status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
-            r = client.get("/v1/models", headers=headers)
-            assert r.status_code == 401
-            assert r.json()["error"]["code"] == "invalid_api_key"
-        # refused before the body is even read: a bad body without a key is still a 401
-        assert client.post("/v1/completions", content=b"{not json").status_code == 401
-        assert client.get("/metrics").status_code == 401
-        ok = client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
-        assert ok.status_code == 200
-
-
-BAD_INPUTS = [
-    ("malformed JSON", "/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
-    ("NaN and Infinity (Python's JSON reads them)", "/v1/completions",
-     b'{"model": "tiny", "prompt": "a", "temperature": Infinity, "repeat_penalty": NaN}', 400,
-     "invalid_value"),
-    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "model_not_found"),
-    ("prompt of the wrong type", "/v1/completions", {"model": MODEL, "prompt": 5}, 400, "invalid_value"),
-    ("max_tokens as a string", "/v1/completions",
-     {"model": MODEL, "prompt": "a", "max_tokens": "10"}, 400, "invalid_value"),
-    ("stream as a string", "/v1/completions",
-     {"model": MODEL, "prompt": "a", "stream": "yes"}, 400, "invalid_value"),
-    ("negative max_tokens", "/v1/completions",
-     {"model": MODEL, "prompt": "a", "max_tokens": -5}, 400, "invalid_value"),
-    ("huge n", "/v1/completions", {"model": MODEL, "prompt": "a", "n": 10**9}, 400, None),
-    ("prompt over the context", "/v1/completions",
-     {"model": MODEL, "prompt": "ab" * 40}, 400, "context_length_exceeded"),
-    ("token id outside the vocabulary", "/v1/completions",
-     {"model": MODEL, "prompt": [1, 99999]}, 400, None),
-    ("messages not a list", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "invalid_value"),
-    ("no messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "invalid_value"),
-    ("unknown role", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "wizard", "content": "a"}]}, 400, "invalid_value"),
-    ("echo is not built", "/v1/completions", {"model": MODEL, "prompt": "a", "echo": True},
-     400, "unsupported_parameter"),
-    ("too many top_logprobs", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "logprobs": True,
-      "top_logprobs": 21}, 400, "invalid_value"),
-    ("temperature out of range", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "temperature": 9}, 400, "invalid_value"),
-    ("a body that is a list", "/v1/chat/completions", [1, 2], 400, "invalid_value"),
-]
-
-
-@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_gets_a_4xx_with_an_openai_error_body(runtime, case):
-    _, path, body, status, code = case
-    with serve(runtime, strict_model=True) as client:  # the unknown model's 404
-        if isinstance(body, bytes):
-            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
-        else:
-            r = client.post(path, json=body)
-        assert r.status_code == status, r.text
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["message"]
-        if code is not None:
-            assert error["code"] == code
-        assert client.get("/health").status_code == 200
-
-
-def test_unknown_route_and_method_get_openai_error_bodies(runtime):
-    with serve(runtime) as client:
-        r = client.get("/v1/nothing")
-        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-        r = client.get("/v1/completions")
-        assert r.status_code == 405 and "message" in r.json()["error"]
-
-
-def test_full_queue_answers_429(runtime):
-    gated = GatedRuntime(runtime)
-    statuses = []
-    with serve(gated, batch={"max_batch": 1, "queue_size": 1}) as client:
-        scheduler = client.app.state.scheduler
-
-        def ask():
-            statuses.append(client.post("/v1/completions", json={
-                "model": MODEL, "prompt": "a", "max_tokens": 2}).status_code)
-
-        threads = [threading.Thread(target=ask) for _ in range(2)]
-        threads[0].start()  # the batch's one slot: its step waits at the gate
-        assert wait_until(lambda: scheduler.active_count == 1)
-        threads[1].start()  # the queue's one place
-        assert wait_until(lambda: scheduler.queue_depth == 1)
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "a"})
-        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
-        gated.model.gate.set()
-        for t in threads:
-            t.join()
-        assert statuses == [200, 200]
-        assert 'moeswap_rejected_total 1' in client.get("/metrics").text
-
-
-def test_cancelled_request_leaves_the_batch_and_drops_its_cache(runtime):
-    gated = GatedModel(runtime.model)
-    scheduler = BatchScheduler(gated, BatchOptions(max_batch=4, ctx=64))
-    events = {0: [], 1: []}
-    finished = [threading.Event(), threading.Event()]
-
-    def on_event(i):
-        def record(e):
-            events[i].append(e)
-            if e.finish_reason is not None or e.error is not None:
-                finished[i].set()
-        return record
-
-    scheduler.start()
-    try:
-        requests = [scheduler.submit(runtime.encode(p), max_tokens=20, sampler=Sampler(GREEDY),
-                                     stop_ids=frozenset(), on_event=on_event(i))
-                    for i, p in enumerate(("ab", "cd"))]
-        requests[0].cancel()
-        gated.gate.set()
-        assert finished[0].wait(30) and finished[1].wait(30)
-    finally:
-        scheduler.stop()
-    assert events[0][-1].finish_reason == "cancelled"
-    assert requests[0].cache is None and requests[1].cache is None
-    assert [e.token is not None for e in events[1]].count(True) == 20
-    assert events[1][-1].finish_reason == "length"
-    assert scheduler.counters.requests_finished == {"cancelled": 1, "length": 1}
-
-
-def test_leaving_a_stream_early_cancels_its_requests(runtime):
-    from moeswap.sampling import SamplingParams
-    from moeswap.server.choices import Choices
-
-    scheduler = BatchScheduler(runtime.model, BatchOptions(ctx=64))
-    scheduler.start()
-
-    async def first_piece_then_leave():
-        choices = Choices(scheduler, runtime.tokenizer, runtime.encode("ab"), n=2, max_tokens=50,
-                          params=SamplingParams(temperature=0.0), stops=[])
-        pieces = choices.pieces()
-        await pieces.__anext__()
-        await pieces.aclose()
-        return choices.requests
-
-    try:
-        requests = asyncio.run(first_piece_then_leave())
-        assert all(r.cancelled for r in requests)
-        assert wait_until(lambda: scheduler.active_count == 0)
-        assert all(r.generated < 50 for r in requests)
-    finally:
-        scheduler.stop()
-
-
-def test_context_policy_keeps_the_start_and_the_most_recent_tokens():
-    ids = list(range(100))
-    assert fit_context(ids[:10], 16, max_tokens=4, policy="error", keep_prefix=0) == ids[:10]
-    with pytest.raises(ContextOverflow, match="100 tokens but the context holds 16"):
-        fit_context(ids, 16, max_tokens=4, policy="error")
-    # room for the reply: max_tokens, at most half the context
-    assert fit_context(ids, 16, max_tokens=4, policy="keep-recent", keep_prefix=3) == \
-        [0, 1, 2] + ids[-9:]
-    assert fit_context(ids, 16, max_tokens=100, policy="keep-recent", keep_prefix=1) == \
-        [0] + ids[-7:]
-    with pytest.raises(ContextOverflow, match="system prompt"):
-        fit_context(ids, 16, max_tokens=4, policy="keep-recent", keep_prefix=12)
-
-
-def test_server_keep_recent_policy_accepts_a_long_conversation(runtime):
-    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "bc" * 40}]
-    with serve(runtime, ctx_policy="keep-recent") as client:
-        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages,
-                                                      "max_tokens": 4, "temperature": 0})
-    assert r.status_code == 200, r.text
-    assert r.json()["usage"]["prompt_tokens"] == 64 - 4
-
-
-def test_stop_strings_are_cut_and_held_back():
-    cut = StopStrings(["xyz"])
-    assert cut.push("abx") == "ab"  # "x" may start the stop string
-    assert cut.push("y") == ""
-    assert cut.push("q") == "xyq"
-    assert cut.push("1xyz2") == "1" and cut.stopped
-
-
-def test_stop_string_ends_a_completion(runtime):
-    full, _ = solo_text(runtime, runtime.encode("abcab"), 8)
-    stop = full[3:5]
-    with serve(runtime) as client:
-        body = client.post("/v1/completions", json={"model": MODEL, "prompt": "abcab", "max_tokens": 8,
-                                                     "temperature": 0, "stop": stop}).json()
-    assert body["choices"][0]["text"] == full[:full.index(stop)]
-    assert body["choices"][0]["finish_reason"] == "stop"
-
-
 def test_n_choices_with_seeds(runtime):
     request = {"model": MODEL, "prompt": "ab", "max_tokens": 6, "n": 3, "seed": 7, "temperature": 1.5}
     with serve(runtime) as client:
@@ -449,15 +257,6 @@ def test_n_choices_with_seeds(runtime):
         again = client.post("/v1/completions", json=request).json()
     assert [c["index"] for c in first["choices"]] == [0, 1, 2]
     assert first["choices"] == again["choices"]  # seeded: reproducible
-
-
-def test_template_injection_is_stopped_by_the_sandbox(tmp_path):
-    evil = load(write_model(tmp_path, INJECTION))
-    with serve(evil) as client:
-        r = client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "a"}]})
-        assert r.status_code == 400 and "sandbox" in r.json()["error"]["message"]
-        assert client.get("/health").status_code == 200
 
 
 def test_metrics_show_server_and_expert_store_series(tiny_path):
@@ -471,88 +270,3 @@ def test_metrics_show_server_and_expert_store_series(tiny_path):
     assert "moeswap_generated_tokens_total " in text and "moeswap_queue_depth 0" in text
     assert "moeswap_expert_hit_rate " in text
     assert 'moeswap_tier_resident_bytes{tier="host"} ' in text
-
-
-class ListCache(list):
-    """The fed ids, cut back as a KVCache is when the server reuses its prefix."""
-
-    def can_truncate(self, n_tokens: int) -> bool:
-        return n_tokens <= len(self)
-
-    def truncate(self, n_tokens: int) -> None:
-        del self[n_tokens:]
-
-
-class CountingModel:
-    """A fast stand-in for the engine: the next token is the cache length mod the vocabulary."""
-
-    def __init__(self, vocab: int):
-        self.vocab = vocab
-
-    def new_cache(self):
-        return ListCache()
-
-    def forward(self, tokens, caches, last_only=False):
-        out = []
-        for ids, cache in zip(tokens, caches):
-            cache.extend(ids.tolist())
-            logits = torch.zeros(len(ids), self.vocab)
-            logits[:, (len(cache) + 4) % self.vocab] = 1.0  # never BOS/EOS-adjacent ids 0..3
-            out.append(logits)
-        return out
-
-
-JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) |
-                    st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                    max_leaves=6)
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                           "content": st.text("abcd", max_size=6)}), max_size=3)
-VALID = {  # in range: such a body alone is answered 200
-    "prompt": st.text("abcd", max_size=30) | st.lists(st.integers(4, 31), min_size=1, max_size=4),
-    "messages": MESSAGES.filter(bool), "max_tokens": st.integers(1, 12),
-    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
-    "min_p": st.floats(0, 1), "n": st.integers(1, 3), "stream": st.booleans(),
-    "stop": st.text("abc", max_size=2) | st.lists(st.text("abc", max_size=2), max_size=4),
-    "seed": st.integers(-2**80, 2**80), "repeat_penalty": st.floats(0.5, 2),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-}
-JUNK = st.dictionaries(st.sampled_from(sorted(VALID) + ["model", "logprobs"]),
-                       JSON | st.integers(-10, 100) | st.floats(-5, 5), max_size=2)
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
-       body=st.fixed_dictionaries({"model": st.just(MODEL)}, optional=VALID), junk=JUNK)
-def test_random_bodies_never_get_a_5xx(fast_client, path, body, junk):
-    r = fast_client.post(path, json={**body, **junk})
-    event(f"status {r.status_code}")
-    assert r.status_code < 500, (body, junk, r.text)
-    if r.status_code >= 400:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-
-
-class NaNModel(CountingModel):
-    def forward(self, tokens, caches, last_only=False):
-        return [torch.full_like(rows, float("nan")) for rows in super().forward(tokens, caches, last_only)]
-
-
-def test_a_failing_step_ends_its_request_and_the_server_goes_on(runtime):
-    broken = GatedRuntime(runtime)
-    broken.model = NaNModel(runtime.tokenizer.vocab_size)  # sampling from NaN raises
-    with serve(broken) as client:
-        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "temperature": 1})
-        assert r.status_code == 500 and "sampling failed" in r.json()["error"]["message"]
-        with client.stream("POST", "/v1/completions", json={
-                "model": MODEL, "prompt": "ab", "temperature": 1, "stream": True}) as s:
-            assert sse_events(s)[-1]["error"]["type"] == "server_error"
-        assert client.get("/health").json()["status"] == "ok"
-        assert client.app.state.scheduler.counters.requests_finished == {"error": 2}
-
-
-@pytest.fixture(scope="module")
-def fast_client(runtime):
-    fake = GatedRuntime(runtime)
-    fake.model = CountingModel(runtime.tokenizer.vocab_size)
-    with serve(fake, batch={"ctx": 16}) as client:
-        yield client
