@@ -1,14 +1,14 @@
 """moeswap plan: byte counts against hand arithmetic on generated GGUFs, KV sizes against the
-engines' real caches, refusals, and llama.cpp overrides against the files' real tensor names."""
+engines' real caches, moeswap's placement and refusals, rates and fixed costs; and the helpers
+test_planner_replay.py (hit rates from a trace) and test_planner_engines.py (llama.cpp, Ollama,
+vLLM, SGLang) import."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import tiny_models
@@ -23,16 +23,11 @@ from moeswap.planner.probe import Overheads
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
 from moeswap.memory import format_size, forward_working_bytes, kv_cache_bytes
-from moeswap.planner import plan_model, report
-from moeswap.planner.distributed import plan_multi_gpu
-from moeswap.planner.llama_cpp import EXPERT_PATTERN, GPU_RESERVE, plan_llama_cpp
 from moeswap.planner import rates as planner_rates
 from moeswap.planner.placement import Budget, make_plan
 from moeswap.planner.rates import DEFAULT_OVERHEADS, PlanRates, plan_rates
-from moeswap.planner.replayed import lru_hit_rate
 from moeswap.planner.sizes import model_sizes
 from moeswap.routing.profile import Profile
-from moeswap.routing.traces import RoutingTrace
 
 SHIPPED = Path(__file__).parent.parent / "moeswap" / "data" / "stdlib-moe-q8_0.gguf"
 RATES = PlanRates(Rates(disk_read=1e9, link=1e10, host_compute=1e10, device_compute=1e11), "test")
@@ -132,6 +127,14 @@ def _need(s, context):
     return (s.shared_bytes + kv_cache_bytes(s.config, context)
             + forward_working_bytes(s.config, 512, context, 1)
             + 2 * s.slot_bytes)
+
+
+def _profile(counts, hot=None, layers=None):
+    layers = layers or list(range(len(counts)))
+    hot = hot or [(i, max(range(len(c)), key=c.__getitem__)) for i, c in enumerate(counts)]
+    return Profile(model="m", arch="llama", layers=layers, n_experts=len(counts[0]), k=2,
+                   budget=len(hot), hot=hot, counts=counts,
+                   reuse=ReuseTable((1,), 1, ((0.0, 0.0),)), source="test")
 
 
 def test_placement_slots_and_uniform_hit_rate(mixtral_file):
@@ -264,226 +267,6 @@ def test_probe_cache_with_bad_overheads_is_damaged(tmp_path):
         probe.read_overheads(cache)
 
 
-# --- hit rates from a recorded trace: the store's LRU replayed ---------------------------------
-
-def _trace(n_experts=4):
-    """Mixtral file's shape (layers 0, 1; top-2): 2 prefill tokens, then 3 decoded."""
-    ids = [[[0, 1], [2, 3]], [[1, 2], [3, 0]],  # prefill
-           [[0, 1], [3, 2]], [[2, 0], [1, 3]], [[0, 1], [2, 3]]]  # decode
-    return RoutingTrace(model="m", arch="llama", layers=[0, 1], n_experts=n_experts, k=2,
-                        prompt_offsets=[0, 5], expert_ids=ids,
-                        weights=[[[0.5, 0.5]] * 2] * 5, phase=np.array([0, 0, 1, 1, 1], np.uint8),
-                        source="t.npz")
-
-
-def test_replayed_lru_counts_the_decode_steps_in_the_stores_order():
-    """Prefill is one step per layer: layer 0 asks 0, 1, 2 and layer 1 asks 0, 2, 3 (ascending);
-    then each decoded token asks its two experts per layer. By hand, with 4 slots:
-    t2: (0,0) miss, (0,1) miss, (1,2) hit, (1,3) hit; t3: (0,0) hit, (0,2) miss, (1,1) miss,
-    (1,3) hit; t4: (0,0) hit, (0,1) miss, (1,2) miss, (1,3) hit: 6 of 12.
-    With 6 slots only t3's (1,1) misses; with none, nothing hits."""
-    assert lru_hit_rate(_trace(), 4) == (6 / 12, 12)
-    assert lru_hit_rate(_trace(), 6) == (11 / 12, 12)
-    assert lru_hit_rate(_trace(), 0) == (0.0, 12)
-
-
-def test_replayed_lru_starts_every_prompt_from_an_empty_cache():
-    """Each prompt is a run of its own (moeswap run starts its store empty). Prompt 0 decodes
-    the same token twice: 4 misses, then 4 hits with 4 slots; prompt 1 decodes it once more:
-    4 misses, where one cache kept over both prompts would hit all 4. 4 of 12."""
-    token = [[0, 1], [2, 3]]
-    trace = RoutingTrace(model="m", arch="llama", layers=[0, 1], n_experts=4, k=2,
-                         prompt_offsets=[0, 2, 3], expert_ids=[token] * 3,
-                         weights=[[[0.5, 0.5]] * 2] * 3, phase=np.ones(3, np.uint8))
-    assert lru_hit_rate(trace, 4) == (4 / 12, 12)
-    assert lru_hit_rate(trace, 8) == (4 / 12, 12)
-
-
-def test_plan_with_a_trace_and_the_cli(mixtral_file, tmp_path, capsys):
-    s = sizes_of(mixtral_file)
-    plan = make_plan(s, Budget(s.slot_bytes, _need(s, 8) + 3 * s.slot_bytes, 8), RATES,
-                     trace=_trace())
-    assert plan.hits.total == pytest.approx(0.5)
-    assert plan.hits.device == pytest.approx(0.5 / 4)  # 1 of the 4 slots
-    assert "LRU replayed over its 12 decode requests" in plan.hits.source
-    with pytest.raises(MoeswapError, match="traced layers .* with 5 experts"):
-        make_plan(s, Budget(0, _need(s, 8), 8), RATES, trace=_trace(n_experts=5))
-    path = tmp_path / "t.npz"
-    _trace().save(path)
-    assert main(["plan", str(mixtral_file), "--host-mem", str(_need(s, 8) + 4 * s.slot_bytes),
-                 "--ctx", "8", "--profile", str(path), "--json"]) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert doc["moeswap"]["hit_rate"]["total"] == 0.5
-    assert "--policy" not in doc["moeswap"]["command"]  # the default LRU is what was replayed
-
-
-# --- llama.cpp, Ollama, vLLM, SGLang -------------------------------------------------------------
-
-def _profile(counts, hot=None, layers=None):
-    layers = layers or list(range(len(counts)))
-    hot = hot or [(i, max(range(len(c)), key=c.__getitem__)) for i, c in enumerate(counts)]
-    return Profile(model="m", arch="llama", layers=layers, n_experts=len(counts[0]), k=2,
-                   budget=len(hot), hot=hot, counts=counts,
-                   reuse=ReuseTable((1,), 1, ((0.0, 0.0),)), source="test")
-
-
-def _cpu_tensors(names, args):
-    """The tensors llama.cpp puts on the CPU for these flags, by its own rule: -ot patterns and
-    the --cpu-moe / --n-cpu-moe expansions, each matched with regex_search."""
-    patterns = []
-    if "--cpu-moe" in args:
-        patterns.append(EXPERT_PATTERN)
-    if "--n-cpu-moe" in args:
-        n = int(args[args.index("--n-cpu-moe") + 1])
-        patterns += [rf"blk\.{i}{EXPERT_PATTERN}" for i in range(n)]
-    if "-ot" in args:
-        patterns.append(args[args.index("-ot") + 1].rsplit("=", 1)[0])
-    return {n for n in names if any(re.search(p, n) for p in patterns)}
-
-
-def _experts_of(names, layers):
-    return {n for n in names for i in layers
-            if n.startswith(f"blk.{i}.") and "_exps." in n}
-
-
-def test_llama_cpp_n_cpu_moe_keeps_the_last_layers_on_the_gpu():
-    s = sizes_of(SHIPPED)  # the project's trained model: 6 layers, Q8_0
-    blocks = sum(s.layer_bytes.values()) + s.output_bytes + s.kv_bytes(512, 2)
-    three = 3 * s.n_expert * s.one_expert_bytes
-    plan = plan_llama_cpp(s, Budget(GPU_RESERVE + blocks + three, 1 * GiB, 512), RATES)
-    assert plan.args[plan.args.index("-ngl") + 1] == "7"  # 6 blocks + the output head
-    assert plan.args[plan.args.index("--n-cpu-moe") + 1] == "3"
-    assert plan.cpu_expert_layers == [0, 1, 2] and "--mlock" in plan.args
-    names = s.tensor_names
-    assert _cpu_tensors(names, plan.args) == _experts_of(names, [0, 1, 2])
-    assert plan.gpu_bytes == blocks + three
-
-
-def test_llama_cpp_profile_regex_selects_exactly_the_cpu_layers_experts():
-    s = sizes_of(SHIPPED)
-    counts = [[10] * 16 for _ in range(6)]
-    for layer, top in ((0, 80), (1, 20), (2, 90), (3, 15), (4, 60), (5, 85)):
-        counts[layer][3] = top  # the layers whose one hot expert covers least spread widest
-    profile = _profile(counts, hot=[(i, 3) for i in range(6)])
-    assert s.n_expert == 16
-    blocks = sum(s.layer_bytes.values()) + s.output_bytes + s.kv_bytes(512, 2)
-    two = 2 * s.n_expert * s.one_expert_bytes
-    plan = plan_llama_cpp(s, Budget(GPU_RESERVE + blocks + two, 1 * GiB, 512), RATES, profile)
-    assert plan.cpu_expert_layers == [0, 2, 4, 5]  # layers 3 and 1 spread widest: on the GPU
-    assert plan.override == r"blk\.(0|2|4|5)\.ffn_(up|down|gate|gate_up)_(ch|)exps"
-    names = s.tensor_names
-    assert _cpu_tensors(names, plan.args) == _experts_of(names, [0, 2, 4, 5])
-    assert not any(re.search(plan.override, n) for n in names if "blk.1." in n or "blk.3." in n)
-
-
-def test_llama_cpp_small_gpu_keeps_attention_of_the_last_blocks(converted):
-    s = sizes_of(converted["gemma4"])
-    per_block = max(s.layer_bytes.values()) + s.kv_bytes(64, 2) / 4
-    plan = plan_llama_cpp(s, Budget(GPU_RESERVE + int(2.5 * per_block), 64 * MiB, 64), RATES)
-    assert plan.args[plan.args.index("-ngl") + 1] == "2" and "--cpu-moe" in plan.args
-    names = s.tensor_names
-    assert _cpu_tensors(names, plan.args) == _experts_of(names, range(4))
-    assert any("ffn_gate_up_exps" in n for n in _cpu_tensors(names, plan.args))
-    assert not any("ffn_gate_inp" in n or n.endswith("ffn_gate.weight")
-                   for n in _cpu_tensors(names, plan.args))
-
-
-def test_no_mlock_when_ram_is_short(mixtral_file):
-    s = sizes_of(mixtral_file)
-    plan = plan_llama_cpp(s, Budget(0, 100 * KiB, 16), RATES)
-    assert "--mlock" not in plan.args and "no --mlock" in plan.notes[-1]
-
-
-def test_ollama_counts_whole_blocks(mixtral_file):
-    full = plan_model(mixtral_file, Budget(GPU_RESERVE + 160 * KiB, MiB, 100), RATES)
-    text, layers, notes = full.ollama
-    assert layers == 1  # a block with its experts is 50688 + 98304 bytes + 12.5 KiB of cache
-    assert text == f"FROM {mixtral_file}\nPARAMETER num_ctx 100\nPARAMETER num_gpu 1\n"
-    assert "no per-tensor placement" in notes[0]
-
-
-def test_multi_gpu_mla_gets_data_parallel_attention(converted):
-    s = sizes_of(converted["deepseek2"])
-    plan = plan_multi_gpu(s, Budget(0, GiB, 4096, 8), 4, 80 * GiB)
-    assert plan.vllm[3:] == ["--tensor-parallel-size", "1", "--data-parallel-size", "4",
-                             "--enable-expert-parallel", "--max-model-len", "4096",
-                             "--gpu-memory-utilization", "0.9"]
-    assert plan.sglang[5:] == ["--tp-size", "4", "--ep-size", "4", "--dp-size", "4",
-                               "--enable-dp-attention", "--context-length", "4096",
-                               "--mem-fraction-static", "0.9"]
-    assert plan.kv_per_gpu == s.kv_bytes(4096, 2, 2) and plan.fits
-
-
-def test_multi_gpu_gqa_tensor_parallel_and_cpu_offload(mixtral_file):
-    s = sizes_of(mixtral_file)
-    plan = plan_multi_gpu(s, Budget(0, GiB, 64), 2, 100 * KiB)
-    assert plan.vllm[3:5] == ["--tensor-parallel-size", "2"]
-    assert "--data-parallel-size" not in plan.vllm and "--enable-dp-attention" not in plan.sglang
-    assert plan.weights_per_gpu == s.total_bytes // 2
-    assert plan.vllm[-2:] == ["--cpu-offload-gb", "1"] and not plan.fits
-    assert plan.gpus_needed == 4
-
-
-def test_report_is_json(mixtral_file):
-    full = plan_model(mixtral_file, Budget(0, MiB, 100), RATES, gpus=2, gpu_bytes=GiB)
-    doc = json.loads(json.dumps(report(full)))
-    assert doc["multi_gpu"]["fits"] and doc["llama_cpp"]["n_gpu_layers"] == 0
-
-
-# --- llama.cpp itself ----------------------------------------------------------------------------
-
-_LOG: list[str] = []
-_KEEP_ALIVE: list = []  # llama.cpp keeps calling the log callback after the test
-
-
-@pytest.mark.llama_cpp
-def test_llama_cpp_applies_the_planned_overrides_to_exactly_those_tensors():
-    """llama_cpp's high-level Llama() takes no tensor overrides, but llama_model_params has
-    tensor_buft_overrides: the planner's -ot regex is handed to llama.cpp there, and its log
-    names every tensor it moved. Also checks the f16 KV cache size it allocates."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed "
-                                    "(CI installs it)")
-    s = sizes_of(SHIPPED)
-    profile = _profile([[10] * 15 + [l] for l in (5, 50, 5, 50, 50, 5)],
-                       hot=[(i, 15) for i in range(6)])
-    blocks = sum(s.layer_bytes.values()) + s.output_bytes + s.kv_bytes(4096, 2)
-    plan = plan_llama_cpp(s, Budget(GPU_RESERVE + blocks + 3 * 16 * s.one_expert_bytes, GiB, 4096),
-                          RATES, profile)
-    assert plan.override is not None
-
-    @llama_cpp.llama_log_callback
-    def collect(level, text, user):
-        _LOG.append(text.decode(errors="replace"))
-
-    class Override(ctypes.Structure):
-        _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-    cpu = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
-    cpu.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
-    overrides = (Override * 2)()
-    overrides[0].pattern = plan.override.encode()
-    overrides[0].buft = cpu.ggml_backend_cpu_buffer_type()
-    params = llama_cpp.llama_model_default_params()
-    params.tensor_buft_overrides = ctypes.cast(overrides, ctypes.c_void_p)
-    _LOG.clear()
-    _KEEP_ALIVE.append(collect)
-    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
-    model = llama_cpp.llama_model_load_from_file(str(SHIPPED).encode(), params)
-    assert model
-    context_params = llama_cpp.llama_context_default_params()
-    context_params.n_ctx = 4096
-    context = llama_cpp.llama_init_from_model(model, context_params)
-    assert context
-    llama_cpp.llama_free(context)
-    llama_cpp.llama_model_free(model)
-    moved = {m.group(1) for line in _LOG
-             for m in [re.match(r"tensor (\S+) .*buffer type overridden to CPU", line)] if m}
-    assert moved == _experts_of(s.tensor_names, plan.cpu_expert_layers) and moved
-    size = next(line for line in _LOG if "llama_kv_cache: size =" in line)
-    k_mib = float(re.search(r"K \(f16\):\s+([\d.]+) MiB", size).group(1))
-    assert k_mib == round(s.kv_bytes(4096, 2) / 2 / MiB, 2)
-
-
 def test_step_costs_measured_on_the_synthetic_model(tmp_path, monkeypatch):
     from moeswap.planner import step_costs
 
@@ -495,64 +278,3 @@ def test_step_costs_measured_on_the_synthetic_model(tmp_path, monkeypatch):
     monkeypatch.setattr(step_costs, "DECODE_STEPS", 4)
     layer_step, expert_call = step_costs.measure_step_costs(1e10, 1, tmp_path)
     assert 0 < layer_step < 0.1 and 0 < expert_call < 0.1
-
-
-def test_replayed_lru_matches_the_stores_decode_hits(tmp_path, capsys):
-    """The store's own hit count over the decode steps (a run of 9 tokens less a run of 1) equals
-    the replay of that run's trace, on the shipped model at a quarter of the slots."""
-    prompt = "def parse_args(argv):\n    "
-    trace = tmp_path / "run.npz"
-    assert main(["run", str(SHIPPED), "-p", prompt, "-n", "9", "--temp", "0",
-                 "--trace", str(trace)]) == 0
-    s = sizes_of(SHIPPED)
-    slots = s.n_expert * len(s.moe_layers) // 4
-    step, context = len(prompt.encode()) + 1, len(prompt.encode()) + 10  # as `run` charges
-    host = (s.shared_bytes + kv_cache_bytes(s.config, context, 1, step)
-            + forward_working_bytes(s.config, step, context, 1)
-            + (s.top_k + slots) * s.slot_bytes)
-
-    def store_counts(n_predict):
-        capsys.readouterr()
-        assert main(["run", str(SHIPPED), "-p", prompt, "-n", str(n_predict), "--temp", "0",
-                     "--host-mem", str(host), "--prefetch", "off"]) == 0
-        line = re.search(r"experts: (\d+) used, hit rate \S+ \(device 0, host (\d+)\)",
-                         capsys.readouterr().err)
-        return int(line.group(1)), int(line.group(2))
-
-    (requests_1, hits_1), (requests_9, hits_9) = store_counts(1), store_counts(9)
-    rate, requests = lru_hit_rate(RoutingTrace.load(trace), slots)
-    assert requests == requests_9 - requests_1 == 8 * s.top_k * len(s.moe_layers)
-    assert rate * requests == pytest.approx(hits_9 - hits_1)
-
-
-def test_replayed_prompts_of_moeswap_trace_match_the_stores_runs(tmp_path, capsys):
-    """A `moeswap trace` of two prompts with -n 8 (8 decoded tokens run) replayed at half the
-    slots gives the decode hits the store counts over separate `moeswap run -n 9`s of them
-    (each less its -n 1 run), summed: each prompt replayed from an empty cache, as a run is.
-    The prompts are short, so a cache kept from the first prompt would still hold experts in
-    the second one's decode (130 hits of 192 instead of the runs' 119)."""
-    prompts = ["def", "import"]
-    trace = tmp_path / "two.npz"
-    assert main(["trace", str(SHIPPED), "-p", prompts[0], "-p", prompts[1], "-n", "8",
-                 "-o", str(trace), "--threads", "1"]) == 0
-    s = sizes_of(SHIPPED)
-    slots = s.n_expert * len(s.moe_layers) // 2
-    hits = requests = 0
-    for prompt in prompts:
-        step, context = len(prompt.encode()) + 1, len(prompt.encode()) + 10  # as `run` charges
-        host = (s.shared_bytes + kv_cache_bytes(s.config, context, 1, step)
-                + forward_working_bytes(s.config, step, context, 1)
-            + (s.top_k + slots) * s.slot_bytes)
-        counts = []
-        for n_predict in (1, 9):
-            capsys.readouterr()
-            assert main(["run", str(SHIPPED), "-p", prompt, "-n", str(n_predict), "--temp", "0",
-                         "--host-mem", str(host), "--prefetch", "off"]) == 0
-            line = re.search(r"experts: (\d+) used, hit rate \S+ \(device 0, host (\d+)\)",
-                             capsys.readouterr().err)
-            counts.append((int(line.group(1)), int(line.group(2))))
-        requests += counts[1][0] - counts[0][0]
-        hits += counts[1][1] - counts[0][1]
-    rate, replayed = lru_hit_rate(RoutingTrace.load(trace), slots)
-    assert replayed == requests == 2 * 8 * s.top_k * len(s.moe_layers)
-    assert rate * replayed == pytest.approx(hits)
