@@ -42,10 +42,11 @@ def package_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from moeswap.cli.common_args import resolve_model
+    from moeswap.cli.offload_args import bare_cold_reads_as_on
 
     parser = build_parser()
-    args, unknown = parser.parse_known_args(join_negative_sizes(sys.argv[1:] if argv is None
-                                                                else argv))
+    args, unknown = parser.parse_known_args(bare_cold_reads_as_on(join_negative_sizes(
+        sys.argv[1:] if argv is None else argv)))
     if unknown:
         args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "model_option"):

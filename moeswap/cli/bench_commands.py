@@ -158,7 +158,8 @@ def run_bench_command(args) -> int:
     if not Path(model).is_file():
         raise MoeswapError(f"{model}: no such file; give a .gguf MoE model")
     # the bench sets each run's host budget: the flags' other settings, typed once
-    settings = offload_settings(args, (0, parse_size(args.device_mem or "0")))
+    settings = offload_settings(args, (0, parse_size(args.device_mem or "0")), model_path=model,
+                                say=lambda line: print(line, file=sys.stderr))
     plan = Plan(model=str(model), scenarios=scenarios, sizes=sizes, threads=args.threads,
                 offload=settings, host_mem=args.host_mem, replay_routing=args.replay_routing,
                 compare=ENGINES if args.compare else ("moeswap",),

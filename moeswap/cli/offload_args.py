@@ -7,12 +7,15 @@ mapped file (all resident).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 
 from moeswap.experts.cost import MISS_MODES
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     from moeswap.experts.settings import LOWBIT_TYPES, PREDICTORS
+    from moeswap.planner.cold_reads import COLD_READS_MODES
     from moeswap.routing.policy_specs import POLICY_HELP
 
     g = p.add_argument_group("expert offload (GGUF files)")
@@ -36,10 +39,13 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "RAM, charged to --host-mem, and compute a miss the host tier does not "
                         f"admit from it instead of reading the file; {', '.join(LOWBIT_TYPES)} "
                         "(counted in the stats; default: off)")
-    g.add_argument("--cold-reads", action="store_true",
+    g.add_argument("--cold-reads", nargs="?", const="on", default="auto",
+                   choices=COLD_READS_MODES,
                    help="read experts past the page cache (O_DIRECT, else pread and "
                         "posix_fadvise DONTNEED): a memory cgroup is then not charged page cache, "
-                        "and the disk tier measures the disk")
+                        "and the disk tier measures the disk. auto: on where the process's memory "
+                        "cgroup has less room than the model file and --host-mem, said in one "
+                        "line (default auto; given bare: on)")
     g.add_argument("--read-depth", type=int, default=4, metavar="N",
                    help="expert disk reads in flight at once (default 4)")
     # On by default: adaptive prefetch was measured faster over a slow link and within
@@ -56,6 +62,19 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                    help="MEASUREMENT: use a recorded trace's (.npz) expert choices and gate "
                         "weights instead of the router's; trace layer i drives MoE layer i, "
                         "position t takes trace token t, wrapping (docs/OFFLOAD.md)")
+
+
+def bare_cold_reads_as_on(argv: list[str]) -> list[str]:
+    """A bare ``--cold-reads`` as ``--cold-reads=on``: spelled as it was when the flag took no
+    value (``run --cold-reads MODEL``), argparse would take the model for its value."""
+    from moeswap.planner.cold_reads import COLD_READS_MODES
+
+    spelled = []
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if i + 1 < len(argv) else None
+        spelled.append("--cold-reads=on" if arg == "--cold-reads" and value not in
+                       COLD_READS_MODES else arg)
+    return spelled
 
 
 def add_step_tokens_argument(p: argparse.ArgumentParser, scope: str = "") -> None:
@@ -87,13 +106,16 @@ def add_kv_type_argument(p: argparse.ArgumentParser) -> None:
                         "(f16: llama.cpp's default, half of f32's bytes)")
 
 
-def offload_settings(args, budgets: tuple[int | None, int] | None = None):
-    """The offload flags typed once: an OffloadSettings, or None for all-resident (no
-    --host-mem). ``budgets``: (host, device) bytes a plan chose (host None: all resident),
-    in place of --host-mem and --device-mem."""
+def offload_settings(args, budgets: tuple[int | None, int] | None = None, *,
+                     model_path: str | Path, say: Callable[[str], None]):
+    """The offload flags typed once for the model at ``model_path``: an OffloadSettings, or
+    None for all-resident (no --host-mem). ``budgets``: (host, device) bytes a plan chose (host
+    None: all resident), in place of --host-mem and --device-mem. ``say`` prints the one line
+    `--cold-reads auto` has when it turns cold reads on under a memory cgroup's limit."""
     from moeswap.errors import MoeswapError
     from moeswap.experts.settings import OffloadSettings
     from moeswap.memory import parse_size
+    from moeswap.planner.cold_reads import cold_reads_for
 
     host, device = budgets or (parse_size(args.host_mem) if args.host_mem is not None else None,
                                parse_size(args.device_mem or "0"))
@@ -107,9 +129,12 @@ def offload_settings(args, budgets: tuple[int | None, int] | None = None):
         raise MoeswapError(f"--prefetch-depth must be 0 or more, got {args.prefetch_depth}")
     import torch
 
+    cold = cold_reads_for(args.cold_reads, host, model_path)
+    if cold.note:
+        say(cold.note)
     return OffloadSettings(
         host_bytes=host, device_bytes=device, policy=args.policy, miss=args.miss,
-        threshold=args.expert_threshold, cold_reads=args.cold_reads, read_depth=args.read_depth,
+        threshold=args.expert_threshold, cold_reads=cold.on, read_depth=args.read_depth,
         device_backend="cuda" if device and torch.cuda.is_available() else "ram",
         prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit)
 

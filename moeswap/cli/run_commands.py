@@ -68,7 +68,8 @@ def run_generate(args) -> int:
         step = min(args.step_tokens, prompt, context)
         budgets = (auto_budgets(args, model_path, context, progress.console, step)
                    if args.plan == "auto" else None)
-        settings = offload_settings(args, budgets)
+        settings = offload_settings(args, budgets, model_path=model_path,
+                                    say=lambda line: progress.console.print(line, markup=False))
         # force: cli.main validated the file (or was told --force) before the plan read it
         runtime = moeswap.load(model_path, threads=args.threads, verbose_log=on_tensor,
                                force=True, repack=not args.exact_tiers,

@@ -90,12 +90,13 @@ def _load(args, charge, progress, recorder=None):
 
     template = template_source(args.chat_template) if args.chat_template else None
     budgets = planned_budgets(args, charge, progress[0].console)
+    settings = offload_settings(args, budgets, model_path=args.model,
+                                say=lambda line: progress[0].console.print(line, markup=False))
     # force: cli.main validated the file (or was told --force) before the plan read it
     runtime = moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
                            repack=not args.exact_tiers, force=True, recorder=recorder,
                            chat_template=template, verbose_log=progress[1],
-                           **offload_load_options(offload_settings(args, budgets), charge,
-                                                  args.threads))
+                           **offload_load_options(settings, charge, args.threads))
     if runtime.chat_template_fallback:
         print(f"moeswap: warning: {args.model} has no chat template: chat uses the {FALLBACK} "
               "one (role: text lines); give --chat-template FILE or chatml, llama3, gemma",
