@@ -30,6 +30,14 @@ _UNEXPECTED = pytest.StashKey[list]()
 
 
 @pytest.fixture(scope="module")
+def mixtral_file(tmp_path_factory):
+    """The tiny Mixtral (tiny_models: two MoE layers of four experts) converted to Q8_0."""
+    folder = tmp_path_factory.mktemp("mixtral")
+    tiny_models.save("mixtral", folder / "hf")
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="module")
 def deep_mixtral(tmp_path_factory):
     """Five MoE layers of eight experts: room for guesses up to four layers ahead."""
     folder = tmp_path_factory.mktemp("prefetch")

@@ -21,7 +21,6 @@ from moeswap.experts.store import shared_bytes
 from moeswap.experts.tiers import DiskReader, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.gguf_tools.convert import convert
 from moeswap.models.loader import load_model
 from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
 
@@ -34,13 +33,6 @@ def data_file(tmp_path_factory):
     path.write_bytes(np.random.default_rng(0).integers(0, 256, 3 * BOUNCE_BYTES + 777,
                                                        dtype=np.uint8).tobytes())
     return path
-
-
-@pytest.fixture(scope="module")
-def mixtral_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mixtral")
-    tiny_models.save("mixtral", folder / "hf")
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def target_at(n_bytes: int, misalign: int) -> np.ndarray:

@@ -43,7 +43,9 @@ def sizes_of(path):
 
 
 @pytest.fixture(scope="module")
-def mixtral_file(tmp_path_factory):
+def f32_mixtral(tmp_path_factory):
+    """gguf_builders' Mixtral, F32 (the byte counts here are written out by hand); not the
+    converted Q8_0 one of conftest's mixtral_file."""
     return mixtral().write(tmp_path_factory.mktemp("mixtral") / "mixtral.gguf")
 
 
@@ -60,9 +62,9 @@ def converted(tmp_path_factory):
 
 # --- arithmetic ------------------------------------------------------------------------------
 
-def test_mixtral_byte_counts_by_hand(mixtral_file):
+def test_mixtral_byte_counts_by_hand(f32_mixtral):
     """F32, D=64, F=32, E=4 top-2, 2 layers, V=32, 4 heads / 2 kv heads of 16."""
-    s = sizes_of(mixtral_file)
+    s = sizes_of(f32_mixtral)
     attention = 4 * (64 + 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64)  # attn_norm, q, k, v, output
     per_layer = attention + 4 * (64 + 64 * 4)  # + ffn_norm, router {D, E}
     expert = 4 * (64 * 32 * 3)  # gate, up, down of one expert
@@ -137,8 +139,8 @@ def _profile(counts, hot=None, layers=None):
                    reuse=ReuseTable((1,), 1, ((0.0, 0.0),)), source="test")
 
 
-def test_placement_slots_and_uniform_hit_rate(mixtral_file):
-    s = sizes_of(mixtral_file)
+def test_placement_slots_and_uniform_hit_rate(f32_mixtral):
+    s = sizes_of(f32_mixtral)
     plan = make_plan(s, Budget(s.slot_bytes, _need(s, 64) + 3 * s.slot_bytes, 64), RATES)
     assert (plan.device_slots, plan.host_slots) == (1, 3)
     assert plan.resident_by_layer == {0: 2, 1: 2}
@@ -150,14 +152,14 @@ def test_placement_slots_and_uniform_hit_rate(mixtral_file):
     assert plan.host_charged == 118016 + 512 * 64 + plan.working_bytes + 2 * s.slot_bytes
 
 
-def test_fewer_slots_than_a_tokens_requests_thrash(mixtral_file):
-    s = sizes_of(mixtral_file)  # top-2 of 2 layers: 4 requests per token
+def test_fewer_slots_than_a_tokens_requests_thrash(f32_mixtral):
+    s = sizes_of(f32_mixtral)  # top-2 of 2 layers: 4 requests per token
     plan = make_plan(s, Budget(0, _need(s, 64) + 3 * s.slot_bytes, 64), RATES)
     assert plan.host_slots == 3 and plan.hits.total == 0.0 and "no hits" in plan.hits.source
 
 
-def test_profile_hit_rate_is_its_top_experts_share(mixtral_file):
-    s = sizes_of(mixtral_file)
+def test_profile_hit_rate_is_its_top_experts_share(f32_mixtral):
+    s = sizes_of(f32_mixtral)
     profile = _profile(counts=[[50, 30, 15, 5], [70, 10, 10, 10]])
     plan = make_plan(s, Budget(0, _need(s, 8) + 3 * s.slot_bytes, 8), RATES, profile)
     # the three most used of all eight: layer 1 expert 0 (70), layer 0 experts 0 (50), 1 (30)
@@ -165,8 +167,8 @@ def test_profile_hit_rate_is_its_top_experts_share(mixtral_file):
     assert plan.resident_by_layer == {0: 2, 1: 1}
 
 
-def test_refusal_says_by_how_much_and_what_to_change(mixtral_file):
-    s = sizes_of(mixtral_file)
+def test_refusal_says_by_how_much_and_what_to_change(f32_mixtral):
+    s = sizes_of(f32_mixtral)
     need = _need(s, 100)
     with pytest.raises(MoeswapError) as e:
         make_plan(s, Budget(0, need - 512 * 10, 100), RATES)
@@ -179,17 +181,17 @@ def test_refusal_says_by_how_much_and_what_to_change(mixtral_file):
     assert "in Q4_K_M they would be about" in message  # F32 shared weights: 32 bits per weight
 
 
-def test_cli_refusal_exit_code_and_json(mixtral_file, capsys):
-    assert main(["plan", str(mixtral_file), "--host-mem", "100KiB", "--ctx", "100"]) == 2
+def test_cli_refusal_exit_code_and_json(f32_mixtral, capsys):
+    assert main(["plan", str(f32_mixtral), "--host-mem", "100KiB", "--ctx", "100"]) == 2
     assert "does not fit" in capsys.readouterr().err
     # 2 MiB: a 100-token step's working memory (738 KiB) and every expert fit
-    assert main(["plan", str(mixtral_file), "--host-mem", "2MiB", "--ctx", "100", "--json",
+    assert main(["plan", str(f32_mixtral), "--host-mem", "2MiB", "--ctx", "100", "--json",
                  "--disk-bw", "1", "--ram-bw", "10", "--gpu-bw", "100", "--link-bw", "10"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["bytes"]["shared"] == 118016 and doc["kv_cache"]["context_bytes_f16"] == 25600
     assert doc["moeswap"]["experts_resident"] == 8 and doc["moeswap"]["hit_rate"]["total"] == 1.0
     assert doc["moeswap"]["rates"]["disk_read"] == 1e9
-    assert main(["plan", str(mixtral_file), "--host-mem", "1MiB", "--ctx", "100"]) == 0
+    assert main(["plan", str(f32_mixtral), "--host-mem", "1MiB", "--ctx", "100"]) == 0
     assert "llama-server" in capsys.readouterr().out
 
 
@@ -215,9 +217,9 @@ def test_read_seconds_between_and_beyond_the_probes_sizes():
     assert PlanRates(RATES.rates, "test").read_seconds(10**6) == pytest.approx(0.2e-3 + 1e-3)
 
 
-def test_decode_step_by_hand_with_every_expert_missing(mixtral_file):
+def test_decode_step_by_hand_with_every_expert_missing(f32_mixtral):
     """No expert slots: each token's 2 experts per layer are read, 3 pieces of 8 KiB each."""
-    s = sizes_of(mixtral_file)
+    s = sizes_of(f32_mixtral)
     assert s.expert_pieces_by_layer == {0: (8192,) * 3, 1: (8192,) * 3}
     rates = PlanRates(RATES.rates, "test", LADDER)  # RAM 1e10 B/s
     plan = make_plan(s, Budget(0, _need(s, 64), 64), rates)

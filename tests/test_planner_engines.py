@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from test_planner import (RATES, SHIPPED, GiB, KiB, MiB, _profile, converted,  # noqa: F401 (fixtures)
-                          mixtral_file, sizes_of)
+                          f32_mixtral, sizes_of)
 
 from moeswap.planner import plan_model, report
 from moeswap.planner.distributed import plan_multi_gpu
@@ -83,17 +83,17 @@ def test_llama_cpp_small_gpu_keeps_attention_of_the_last_blocks(converted):
                    for n in _cpu_tensors(names, plan.args))
 
 
-def test_no_mlock_when_ram_is_short(mixtral_file):
-    s = sizes_of(mixtral_file)
+def test_no_mlock_when_ram_is_short(f32_mixtral):
+    s = sizes_of(f32_mixtral)
     plan = plan_llama_cpp(s, Budget(0, 100 * KiB, 16), RATES)
     assert "--mlock" not in plan.args and "no --mlock" in plan.notes[-1]
 
 
-def test_ollama_counts_whole_blocks(mixtral_file):
-    full = plan_model(mixtral_file, Budget(GPU_RESERVE + 160 * KiB, MiB, 100), RATES)
+def test_ollama_counts_whole_blocks(f32_mixtral):
+    full = plan_model(f32_mixtral, Budget(GPU_RESERVE + 160 * KiB, MiB, 100), RATES)
     text, layers, notes = full.ollama
     assert layers == 1  # a block with its experts is 50688 + 98304 bytes + 12.5 KiB of cache
-    assert text == f"FROM {mixtral_file}\nPARAMETER num_ctx 100\nPARAMETER num_gpu 1\n"
+    assert text == f"FROM {f32_mixtral}\nPARAMETER num_ctx 100\nPARAMETER num_gpu 1\n"
     assert "no per-tensor placement" in notes[0]
 
 
@@ -109,8 +109,8 @@ def test_multi_gpu_mla_gets_data_parallel_attention(converted):
     assert plan.kv_per_gpu == s.kv_bytes(4096, 2, 2) and plan.fits
 
 
-def test_multi_gpu_gqa_tensor_parallel_and_cpu_offload(mixtral_file):
-    s = sizes_of(mixtral_file)
+def test_multi_gpu_gqa_tensor_parallel_and_cpu_offload(f32_mixtral):
+    s = sizes_of(f32_mixtral)
     plan = plan_multi_gpu(s, Budget(0, GiB, 64), 2, 100 * KiB)
     assert plan.vllm[3:5] == ["--tensor-parallel-size", "2"]
     assert "--data-parallel-size" not in plan.vllm and "--enable-dp-attention" not in plan.sglang
@@ -119,8 +119,8 @@ def test_multi_gpu_gqa_tensor_parallel_and_cpu_offload(mixtral_file):
     assert plan.gpus_needed == 4
 
 
-def test_report_is_json(mixtral_file):
-    full = plan_model(mixtral_file, Budget(0, MiB, 100), RATES, gpus=2, gpu_bytes=GiB)
+def test_report_is_json(f32_mixtral):
+    full = plan_model(f32_mixtral, Budget(0, MiB, 100), RATES, gpus=2, gpu_bytes=GiB)
     doc = json.loads(json.dumps(report(full)))
     assert doc["multi_gpu"]["fits"] and doc["llama_cpp"]["n_gpu_layers"] == 0
 

@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from test_planner import RATES, SHIPPED, _need, mixtral_file, sizes_of  # noqa: F401 (fixture)
+from test_planner import RATES, SHIPPED, _need, f32_mixtral, sizes_of  # noqa: F401 (fixture)
 
 from moeswap.cli import main
 from moeswap.errors import MoeswapError
@@ -54,8 +54,8 @@ def test_replayed_lru_starts_every_prompt_from_an_empty_cache():
     assert lru_hit_rate(trace, 8) == (4 / 12, 12)
 
 
-def test_plan_with_a_trace_and_the_cli(mixtral_file, tmp_path, capsys):
-    s = sizes_of(mixtral_file)
+def test_plan_with_a_trace_and_the_cli(f32_mixtral, tmp_path, capsys):
+    s = sizes_of(f32_mixtral)
     plan = make_plan(s, Budget(s.slot_bytes, _need(s, 8) + 3 * s.slot_bytes, 8), RATES,
                      trace=_trace())
     assert plan.hits.total == pytest.approx(0.5)
@@ -65,7 +65,7 @@ def test_plan_with_a_trace_and_the_cli(mixtral_file, tmp_path, capsys):
         make_plan(s, Budget(0, _need(s, 8), 8), RATES, trace=_trace(n_experts=5))
     path = tmp_path / "t.npz"
     _trace().save(path)
-    assert main(["plan", str(mixtral_file), "--host-mem", str(_need(s, 8) + 4 * s.slot_bytes),
+    assert main(["plan", str(f32_mixtral), "--host-mem", str(_need(s, 8) + 4 * s.slot_bytes),
                  "--ctx", "8", "--profile", str(path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["moeswap"]["hit_rate"]["total"] == 0.5

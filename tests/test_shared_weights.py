@@ -8,11 +8,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-import tiny_models
-
-from moeswap.gguf_tools.convert import convert
-
 # Run in a child: a regression is a SIGBUS, which would take the test runner down with it.
 CHILD = textwrap.dedent("""
     import os, sys, torch
@@ -30,13 +25,6 @@ CHILD = textwrap.dedent("""
     assert factory.stats()["total"]["disk_misses"] > 0
     print("same logits after the truncation")
 """)
-
-
-@pytest.fixture(scope="module")
-def mixtral_file(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mixtral")
-    tiny_models.save("mixtral", folder / "hf")
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def test_a_file_truncated_under_the_store_leaves_shared_weights_computing(mixtral_file, tmp_path):

@@ -72,16 +72,6 @@ def test_the_planner_checks_profiles_with_the_same_method(tmp_path):
     check_profile(SimpleNamespace(moe_layers=[1, 2], n_expert=4, path="m.gguf"), profile)
 
 
-@pytest.fixture(scope="module")
-def mixtral_file(tmp_path_factory):
-    import tiny_models
-    from moeswap.gguf_tools.convert import convert
-
-    folder = tmp_path_factory.mktemp("mixtral")
-    tiny_models.save("mixtral", folder / "hf")
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
-
-
 def cut_inside_last_expert_tensor(source, target):
     """A copy of ``source`` ending half-way through its last routed-expert tensor -> its name."""
     from moeswap.formats.gguf_file import GGUFFile
