@@ -81,12 +81,13 @@ class GatedModel:
         return self.model.forward(tokens, caches, last_only)
 
 
-class GatedRuntime:
-    """A runtime whose model is gated; everything else is the real runtime's."""
+class WrappedRuntime:
+    """The runtime with its model wrapped by ``wrap`` (GatedModel, a recorder, a delay);
+    everything else is the real runtime's."""
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, wrap):
         self._runtime = runtime
-        self.model = GatedModel(runtime.model)
+        self.model = wrap(runtime.model)
 
     def __getattr__(self, name):
         return getattr(self._runtime, name)
@@ -177,7 +178,7 @@ def test_streamed_completion_chunks(runtime):
 
 
 def test_concurrent_requests_are_decoded_together_and_equal_solo_runs(runtime):
-    gated = GatedRuntime(runtime)
+    gated = WrappedRuntime(runtime, GatedModel)
     prompts = ["a", "bcdefg", "ccc", "hij"]
     results: dict[int, dict] = {}
     with serve(gated) as client:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
-from test_server import (INJECTION, MODEL, GatedRuntime, load, one_thread, runtime,  # noqa: F401 (fixtures)
-                         serve, sse_events, tiny_path, write_model)
+from test_server import (INJECTION, MODEL, GatedModel, WrappedRuntime,  # noqa: F401 (fixtures)
+                         load, one_thread, runtime, serve, sse_events, tiny_path, write_model)
 
 
 def test_api_key_is_required_except_for_health(runtime):
@@ -159,7 +159,7 @@ class NaNModel(CountingModel):
 
 
 def test_a_failing_step_ends_its_request_and_the_server_goes_on(runtime):
-    broken = GatedRuntime(runtime)
+    broken = WrappedRuntime(runtime, GatedModel)
     broken.model = NaNModel(runtime.tokenizer.vocab_size)  # sampling from NaN raises
     with serve(broken) as client:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "temperature": 1})
@@ -173,7 +173,7 @@ def test_a_failing_step_ends_its_request_and_the_server_goes_on(runtime):
 
 @pytest.fixture(scope="module")
 def fast_client(runtime):
-    fake = GatedRuntime(runtime)
+    fake = WrappedRuntime(runtime, GatedModel)
     fake.model = CountingModel(runtime.tokenizer.vocab_size)
     with serve(fake, batch={"ctx": 16}) as client:
         yield client

@@ -27,7 +27,7 @@ from moeswap.gguf_tools.convert import convert
 from moeswap.models.quant_experts import ExpertLayout
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from test_server import LOCAL
+from test_server import LOCAL, WrappedRuntime
 
 N_REQUESTS, MAX_TOKENS, CTX, MARGIN = 8, 12, 48, 0.1
 # Host-tier experts, of 2 layers x 8. With 5, one request's working set fits and a batch's
@@ -89,17 +89,6 @@ class RecordingModel:
         return logits
 
 
-class RecordingRuntime:
-    """A runtime whose model records; everything else is the real runtime's."""
-
-    def __init__(self, runtime):
-        self._runtime = runtime
-        self.model = RecordingModel(runtime.model)
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-
 def prompts() -> list[list[int]]:
     """Different lengths, so that every prompt is different."""
     g = torch.Generator().manual_seed(11)
@@ -121,8 +110,9 @@ def serve(path, host: int, together: bool):
     """Stream the 8 requests, all at once or one after another, from a fresh store-backed
     server: (streamed texts, each request's recorded logit rows, batch sizes, disk bytes)."""
     factory = build_store(OffloadSettings(host_bytes=host), CHARGE)
-    runtime = RecordingRuntime(moeswap.load(path, threads=1, expert_runner=factory,
-                                            tokenizer_cache_dir=path.parent / "cache"))
+    loaded = moeswap.load(path, threads=1, expert_runner=factory,
+                          tokenizer_cache_dir=path.parent / "cache")
+    runtime = WrappedRuntime(loaded, RecordingModel)
     ids = prompts()
     texts: dict[int, str] = {}
     batch = BatchOptions(max_batch=N_REQUESTS, queue_size=N_REQUESTS, ctx=CTX)

@@ -9,8 +9,8 @@ import asyncio
 import threading
 
 import pytest
-from test_server import (MODEL, GatedModel, GatedRuntime, one_thread, runtime,  # noqa: F401 (fixtures)
-                         serve, solo_text, tiny_path, wait_until)
+from test_server import (MODEL, GatedModel, WrappedRuntime, one_thread,  # noqa: F401 (fixtures)
+                         runtime, serve, solo_text, tiny_path, wait_until)
 
 from moeswap.context_window import ContextOverflow, fit_context
 from moeswap.sampling import GREEDY, Sampler
@@ -19,7 +19,7 @@ from moeswap.server.choices import StopStrings
 
 
 def test_full_queue_answers_429(runtime):
-    gated = GatedRuntime(runtime)
+    gated = WrappedRuntime(runtime, GatedModel)
     statuses = []
     with serve(gated, batch={"max_batch": 1, "queue_size": 1}) as client:
         scheduler = client.app.state.scheduler

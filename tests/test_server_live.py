@@ -14,8 +14,8 @@ import uvicorn
 
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from test_server import (MODEL, TEMPLATE, GatedRuntime, load, one_thread,  # noqa: F401 (fixture)
-                         solo_text, wait_until, write_model)
+from test_server import (MODEL, TEMPLATE, GatedModel, WrappedRuntime, load,  # noqa: F401 (fixture)
+                         one_thread, solo_text, wait_until, write_model)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_openai_client_lists_completes_chats_and_streams(runtime):
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "whole"])
 def test_a_client_that_hangs_up_cancels_its_request(runtime, stream):
-    slow = GatedRuntime(runtime)
+    slow = WrappedRuntime(runtime, GatedModel)
     slow.model.gate.set()
     forward = slow.model.forward
 

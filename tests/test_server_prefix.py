@@ -14,7 +14,8 @@ from gguf import GGUFValueType as T
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
 from moeswap.context_window import common_prefix_length as common_prefix
-from test_server import MODEL, TEMPLATE, load, one_thread, write_model  # noqa: F401 (fixture)
+from test_server import (MODEL, TEMPLATE, WrappedRuntime, load, one_thread,  # noqa: F401 (fixture)
+                         write_model)
 from test_server_live import live_server, serve_app
 
 openai = pytest.importorskip("openai", reason="the official client is what is being checked")
@@ -34,15 +35,6 @@ class RecordingModel:
         logits = self.model.forward(tokens, caches, last_only)
         self.calls.append([(t.tolist(), rows[-1].clone()) for t, rows in zip(tokens, logits)])
         return logits
-
-
-class RecordingRuntime:
-    def __init__(self, runtime):
-        self._runtime = runtime
-        self.model = RecordingModel(runtime.model)
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +87,7 @@ def complete(client, prompt_ids, stream: bool):
 
 def fresh(runtime, ask, *args, batch: BatchOptions = BatchOptions(ctx=64)):
     """(reply, usage, recorded calls) of one call to a server that has served nothing."""
-    recording = RecordingRuntime(runtime)
+    recording = WrappedRuntime(runtime, RecordingModel)
     with client_of(recording, batch) as client:
         reply, usage = ask(client, *args)
     return reply, usage, recording.model.calls
@@ -144,7 +136,7 @@ def test_a_cut_back_cache_is_bit_for_bit_a_fresh_one(family, request):
 
 
 def test_a_three_turn_chat_reuses_its_prefix_and_replies_as_a_fresh_server(runtime):
-    recording = RecordingRuntime(runtime)
+    recording = WrappedRuntime(runtime, RecordingModel)
     calls = recording.model.calls
     messages = [{"role": "user", "content": "bcd"}]
     turns = []  # per turn: prompt ids, reply, usage, the calls it made
@@ -180,7 +172,7 @@ def test_completions_cut_a_longer_cache_back_to_the_common_prefix(runtime, strea
     first, second = runtime.encode("abcabcab"), runtime.encode("abcdd")
     shared = common_prefix(first, second)
     assert 0 < shared < len(first)
-    recording = RecordingRuntime(runtime)
+    recording = WrappedRuntime(runtime, RecordingModel)
     with live_server(recording) as (url, _):
         client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
         complete(client, first, stream)
@@ -198,7 +190,7 @@ def test_a_sliding_window_cache_is_cut_back_only_while_its_ring_holds_the_window
     """docs/SERVER.md's rule: a ring keeps its last window - 1 + --step-tokens positions, so a
     prefix a few positions shorter than the cache is reused; one the ring no longer holds the
     window before is prefilled from scratch."""
-    recording = RecordingRuntime(sliding)
+    recording = WrappedRuntime(sliding, RecordingModel)
     calls = recording.model.calls
     first = sliding.encode("abcdefghijklmnopqrs")  # 20 ids: longer than the ring's 15
     with client_of(recording, SLIDING) as client:

@@ -16,7 +16,8 @@ from moeswap.experts.settings import OffloadSettings
 from moeswap.server.activity import ExpertActivity
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from test_server import MODEL, TEMPLATE, load, one_thread, solo_text, write_model  # noqa: F401
+from test_server import (MODEL, TEMPLATE, WrappedRuntime, load, one_thread, solo_text,  # noqa: F401
+                         write_model)
 from test_server_live import serve_app
 from test_server_page import CHARGE, CTX, store_sizes
 
@@ -45,17 +46,6 @@ class SlowModel:
         return self.model.forward(tokens, caches, last_only)
 
 
-class SlowRuntime:
-    """The runtime, its model slowed down; everything else is the real runtime's."""
-
-    def __init__(self, runtime):
-        self._runtime = runtime
-        self.model = SlowModel(runtime.model)
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     return write_model(tmp_path_factory.mktemp("web"), TEMPLATE)
@@ -69,7 +59,8 @@ def page_server(browser, tiny_path, experts: int = 3, name: str = MODEL, **optio
     activity = ExpertActivity()
     factory = build_store(OffloadSettings(host_bytes=fixed + experts * slot), CHARGE)
     runtime = load(tiny_path, expert_runner=factory, recorder=activity)
-    app = create_app(SlowRuntime(runtime), ServerOptions(name, BatchOptions(ctx=CTX), **options),
+    slow = WrappedRuntime(runtime, SlowModel)
+    app = create_app(slow, ServerOptions(name, BatchOptions(ctx=CTX), **options),
                      activity)
     with serve_app(app) as url:
         yield url + "/"
