@@ -90,3 +90,31 @@ def test_a_prefill_reads_each_needed_expert_once(model_file, host_slots, device_
     assert total["refetches"] == 0
     layouts = store.layouts
     assert total["disk_bytes"] == sum(layouts[layer].expert_bytes for layer, _ in picked)
+
+
+@pytest.fixture(scope="module")
+def calm_mixtral(tmp_path_factory):
+    """Weights of std 0.02, so that the torch device tier's roundings stay within a tight bound
+    (tests/test_expert_store.py, assert_device_tier_agrees)."""
+    folder = tmp_path_factory.mktemp("calm")
+    tiny_models.save("mixtral", folder / "hf", initializer_range=0.02, num_local_experts=8)
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+def test_a_torch_device_tier_reads_each_needed_expert_once(calm_mixtral):
+    """Device slots computed by torch (on CPU tensors here) take each expert's picks of the whole
+    forward at once: one read per expert, and three slots give the logits of a slot for every
+    expert bit for bit (near the resident model's: the device tier dequantizes and multiplies in
+    torch, 3e-3 of the largest logit over this prompt, as before the step was the forward)."""
+    everything = len(config_from_gguf(GGUFFile.open(calm_mixtral)).moe_layers) * 8
+    logits = {}
+    for slots in (3, everything):
+        model, factory = store_model(calm_mixtral, 0, slots, miss="transfer",
+                                     device_backend="cpu", prefetch="off")
+        logits[slots] = prefill(model)
+        total = factory.stats()["total"]
+        assert total["transfers"] == total["disk_misses"] == total["requests"] == everything
+        assert total["refetches"] == 0
+    assert torch.equal(logits[3], logits[everything])
+    expected = prefill(load_model(calm_mixtral, threads=1, expert_runner=QuantResidentExperts))
+    assert float((logits[3] - expected).abs().max() / expected.abs().max()) <= 1e-2

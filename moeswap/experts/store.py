@@ -163,19 +163,19 @@ class ExpertStore:
     def _compute(self, layer: int, pool: str, entries: list[tuple[int, torch.Tensor]],
                  step: _Step) -> None:
         """The picks of experts held in ``pool`` (entries: slot, picks as indices into N*K), as
-        one graph a piece -> their weighted rows, written into ``step.picked``."""
+        one graph a piece (torch device slots: each expert's picks of the step at once) -> their
+        weighted rows, written into ``step.picked``."""
+        picks = torch.cat([p for _, p in entries]).sort().values  # [P], tokens ascending
+        if pool == "device" and self.residency.on_torch_device:  # torch: no ggml token groups
+            step.picked[picks] = self._device_rows(layer, entries, step.rows(picks),
+                                                   step.weights.flatten()[picks, None], picks)
+            return
         slot_of = torch.empty(step.ids.numel(), dtype=torch.int32)
         for index, p in entries:
             slot_of[p] = index
-        on_torch = pool == "device" and self.residency.on_torch_device
-        for picks in step.pieces(torch.cat([p for _, p in entries]).sort().values):
-            rows = step.rows(picks)  # [P, D]
-            weights = step.weights.flatten()[picks, None]  # [P, 1]
-            if on_torch:
-                step.picked[picks] = self._device_rows(layer, entries, rows, weights, picks)
-            else:
-                step.picked[picks] = self._ffn(layer, pool).run(rows, slot_of[picks, None],
-                                                                weights)
+        for piece in step.pieces(picks):
+            step.picked[piece] = self._ffn(layer, pool).run(
+                step.rows(piece), slot_of[piece, None], step.weights.flatten()[piece, None])
 
     def _ffn(self, layer: int, pool: str) -> MoeFfn:
         """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout."""
@@ -202,8 +202,6 @@ class ExpertStore:
             expert = self.residency.pools["device"].expert(index, self.layouts[layer])
             mine = torch.isin(picks, p)  # [P] this expert's picks
             n = int(mine.sum())
-            if not n:  # none in this piece
-                continue
             vectors = {kind: v.float().expand(n, -1) for kind, v in expert.biases.items()}
             out[mine] = per_matrix_step(
                 lambda kind, x, ids, expert=expert, n=n: expert.matrices[kind].matmul(
