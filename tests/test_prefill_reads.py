@@ -9,16 +9,11 @@ import pytest
 import torch
 
 import tiny_models
-from moeswap.experts.build import build_store
-from moeswap.experts.settings import OffloadSettings
-from moeswap.experts.store import shared_bytes
-from moeswap.experts.tiers import slot_bytes
-from moeswap.formats.config import config_from_gguf
-from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
-from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
+from moeswap.models.quant_experts import QuantResidentExperts
 from moeswap.quant import MAX_TOKENS_PER_CALL
+from test_expert_store import calm_mixtral, plan, store_model  # noqa: F401 (calm_mixtral: a fixture)
 
 PROMPT = torch.randint(0, tiny_models.VOCAB, (5 * MAX_TOKENS_PER_CALL - 3,),
                        generator=torch.Generator().manual_seed(19))  # five pieces, the last short
@@ -33,18 +28,6 @@ def model_file(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"{family}-{out_type}-")
     tiny_models.save(family, folder / "hf", **overrides)
     return convert(folder / "hf", folder / f"model.{out_type}.gguf", out_type)
-
-
-def store_model(path, host_slots: int, device_slots: int, **options):
-    """(model, store factory) with room for that many experts per tier besides what the host
-    budget pays first (shared weights, the staging ring)."""
-    gguf = GGUFFile.open(path)
-    config = config_from_gguf(gguf)
-    slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in config.moe_layers])
-    fixed = shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot
-    factory = build_store(OffloadSettings(host_bytes=fixed + host_slots * slot,
-                                          device_bytes=device_slots * slot, **options))
-    return load_model(path, threads=1, expert_runner=factory), factory
 
 
 def prefill(model) -> torch.Tensor:
@@ -92,21 +75,13 @@ def test_a_prefill_reads_each_needed_expert_once(model_file, host_slots, device_
     assert total["disk_bytes"] == sum(layouts[layer].expert_bytes for layer, _ in picked)
 
 
-@pytest.fixture(scope="module")
-def calm_mixtral(tmp_path_factory):
-    """Weights of std 0.02, so that the torch device tier's roundings stay within a tight bound
-    (tests/test_expert_store.py, assert_device_tier_agrees)."""
-    folder = tmp_path_factory.mktemp("calm")
-    tiny_models.save("mixtral", folder / "hf", initializer_range=0.02, num_local_experts=8)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
-
-
-def test_a_torch_device_tier_reads_each_needed_expert_once(calm_mixtral):
+def test_a_torch_device_tier_reads_each_needed_expert_once(calm_mixtral):  # noqa: F811
     """Device slots computed by torch (on CPU tensors here) take each expert's picks of the whole
     forward at once: one read per expert, and three slots give the logits of a slot for every
-    expert bit for bit (near the resident model's: the device tier dequantizes and multiplies in
-    torch, 3e-3 of the largest logit over this prompt, as before the step was the forward)."""
-    everything = len(config_from_gguf(GGUFFile.open(calm_mixtral)).moe_layers) * 8
+    expert bit for bit, near the resident model's (the device tier dequantizes and multiplies in
+    torch: a few 1e-3 of the largest logit over this prompt, as when each piece was a step)."""
+    _, _, layers, n_experts = plan(calm_mixtral)
+    everything = len(layers) * n_experts
     logits = {}
     for slots in (3, everything):
         model, factory = store_model(calm_mixtral, 0, slots, miss="transfer",
