@@ -38,6 +38,14 @@ def mixtral_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def mixtral_q8(tmp_path_factory):
+    """The tiny Mixtral with eight experts per layer, converted to Q8_0."""
+    folder = tmp_path_factory.mktemp("mixtral8")
+    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
+    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="module")
 def deep_mixtral(tmp_path_factory):
     """Five MoE layers of eight experts: room for guesses up to four layers ahead."""
     folder = tmp_path_factory.mktemp("prefetch")

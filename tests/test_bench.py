@@ -11,20 +11,11 @@ import json
 
 import pytest
 
-import tiny_models
 from moeswap.cli import main
-from moeswap.gguf_tools.convert import convert
 
 OK_FIELDS = ("prompt_tok_s", "decode_tok_s", "ttft_s", "throughput_tok_s", "peak_anon_bytes",
              "peak_rss_bytes", "tok_s_per_gb", "load_s", "outputs", "memory_trace")
 GEN = 3
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("bench")
-    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def bench(path, out, *flags) -> dict:
@@ -34,9 +25,9 @@ def bench(path, out, *flags) -> dict:
     return json.loads((out / "report.json").read_text())
 
 
-def test_every_scenario_finishes_or_records_its_failure(tiny_gguf, tmp_path):
+def test_every_scenario_finishes_or_records_its_failure(mixtral_q8, tmp_path):
     # conflict is left out to save time: it runs as long does, on another prompt
-    report = bench(tiny_gguf, tmp_path, "--scenarios", "long,batch8,window-sweep,resident-sweep",
+    report = bench(mixtral_q8, tmp_path, "--scenarios", "long,batch8,window-sweep,resident-sweep",
                    "--windows", "0", "--resident", "0")
     runs = report["runs"]
     assert [(r["scenario"], r["label"]) for r in runs] == [
@@ -82,7 +73,7 @@ def test_every_scenario_finishes_or_records_its_failure(tiny_gguf, tmp_path):
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["one-after-another", "batch"])
-def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, batched):
+def test_a_run_charges_and_prefills_as_run_and_serve_do(mixtral_q8, monkeypatch, batched):
     """The store is charged the KV caches and working memory of a ``prefill_chunk``-token
     step -- one sequence as `moeswap run` charges it, or the batch as `moeswap serve` does --
     and no forward feeds a sequence more than ``prefill_chunk`` tokens."""
@@ -115,7 +106,7 @@ def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, 
     monkeypatch.setattr(runtime, "load", counting_load)
     prompts = [list(range(3, 23)), list(range(5, 15)), list(range(4, 10))][:3 if batched else 1]
     n_ctx, chunk = 20 + GEN, 8
-    spec = RunSpec("batch8" if batched else "conflict", "test", "moeswap", str(tiny_gguf), 1,
+    spec = RunSpec("batch8" if batched else "conflict", "test", "moeswap", str(mixtral_q8), 1,
                    prompts, GEN, n_ctx, batched=batched,
                    offload=OffloadSettings(host_bytes=1 << 30), prefill_chunk=chunk)
     result = moeswap_runner.run(spec)
@@ -127,8 +118,8 @@ def test_a_run_charges_and_prefills_as_run_and_serve_do(tiny_gguf, monkeypatch, 
         assert fed == [[8], [8], [1], [8], [8], [4]] + [[1]] * (GEN - 1)
 
 
-def test_bad_scenario_is_one_line_error(tiny_gguf, tmp_path, capsys):
-    assert main(["bench", str(tiny_gguf), "--scenarios", "long,nope", "-o", str(tmp_path)]) == 2
+def test_bad_scenario_is_one_line_error(mixtral_q8, tmp_path, capsys):
+    assert main(["bench", str(mixtral_q8), "--scenarios", "long,nope", "-o", str(tmp_path)]) == 2
     assert "unknown scenario 'nope'" in capsys.readouterr().err
 
 

@@ -8,16 +8,7 @@ import json
 
 import pytest
 
-import tiny_models
 from moeswap.cli import main
-from moeswap.gguf_tools.convert import convert
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("suites")
-    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def suite(out, name, *flags, code=0) -> dict:
@@ -52,9 +43,9 @@ def test_decode_suite_on_the_generated_model(tmp_path):
     assert "| moeswap |" in (tmp_path / "out" / "report.md").read_text()
 
 
-def test_offload_suite_rss_check_and_table(tiny_gguf, tmp_path):
+def test_offload_suite_rss_check_and_table(mixtral_q8, tmp_path):
     out = tmp_path / "rss"
-    code = main(["bench", "--suite", "offload", "rss", "--model", str(tiny_gguf), "-o", str(out),
+    code = main(["bench", "--suite", "offload", "rss", "--model", str(mixtral_q8), "-o", str(out),
                  "--prompt-tokens", "4", "--gen-tokens", "2"])
     report = json.loads((out / "report.json").read_text())
     r = report["result"]
@@ -64,7 +55,7 @@ def test_offload_suite_rss_check_and_table(tiny_gguf, tmp_path):
     assert code == (0 if report["passed"] else 1)
     assert ("PASS" if report["passed"] else "FAIL") in (out / "report.md").read_text()
     assert r["disk_mib"] > 0 and r["hit_rate"] is not None
-    report = suite(tmp_path / "table", "offload", "table", "--model", str(tiny_gguf),
+    report = suite(tmp_path / "table", "offload", "table", "--model", str(mixtral_q8),
                    "--policies", "lru", "--prompt-tokens", "4", "--gen-tokens", "2")
     shares = [r["experts_share"] for r in report["results"]]
     assert shares == [0.0, 0.10, 0.25, 0.50, 1.0]
@@ -72,15 +63,15 @@ def test_offload_suite_rss_check_and_table(tiny_gguf, tmp_path):
     assert hits[-1] >= hits[0]  # every expert fits: nothing misses after the first reads
 
 
-def test_prefetch_suite_table_and_stress(tiny_gguf, tmp_path):
-    report = suite(tmp_path / "table", "prefetch", "table", "--model", str(tiny_gguf),
+def test_prefetch_suite_table_and_stress(mixtral_q8, tmp_path):
+    report = suite(tmp_path / "table", "prefetch", "table", "--model", str(mixtral_q8),
                    "--tokens", "3", "--repeats", "1", "--settings", "off", "depth 2 held on",
                    "--threads", "1")
     assert list(report["runs"]) == ["off", "depth 2 held on"]
     held = report["runs"]["depth 2 held on"][0]
     assert held["tokens"] == report["runs"]["off"][0]["tokens"] and "reads" in held
     assert "| depth 2 held on | " in (tmp_path / "table" / "report.md").read_text()
-    report = suite(tmp_path / "stress", "prefetch", "stress", "--model", str(tiny_gguf),
+    report = suite(tmp_path / "stress", "prefetch", "stress", "--model", str(mixtral_q8),
                    "--steps", "64", "--threads", "1")
     assert report["passed"] is True and set(report["runs"]) == {"off", "both", "both held on"}
 
@@ -149,8 +140,8 @@ def test_recorder_suite_on_a_tiny_generated_model(tmp_path, capsys):
     assert "--n-embd must be a multiple of 64" in capsys.readouterr().err
 
 
-def test_trained_suite_profile(tiny_gguf, tmp_path):
-    report = suite(tmp_path, "trained", "profile", "--model", str(tiny_gguf), "--windows", "2",
+def test_trained_suite_profile(mixtral_q8, tmp_path):
+    report = suite(tmp_path, "trained", "profile", "--model", str(mixtral_q8), "--windows", "2",
                    "--length", "8")
     profile = tmp_path / "train.profile.json"
     assert report["profile"] == str(profile.resolve()) and report["tokens"] == 16
@@ -158,8 +149,8 @@ def test_trained_suite_profile(tiny_gguf, tmp_path):
     assert f"--policies learned:{profile.resolve()}" in (tmp_path / "report.md").read_text()
 
 
-def test_trained_suite_table(tiny_gguf, tmp_path):
-    report = suite(tmp_path, "trained", "table", "--model", str(tiny_gguf), "--windows", "1",
+def test_trained_suite_table(mixtral_q8, tmp_path):
+    report = suite(tmp_path, "trained", "table", "--model", str(mixtral_q8), "--windows", "1",
                    "--length", "8", "--policies", "lru")
     rows = report["results"]
     assert [r["experts_share"] for r in rows] == [0.0, 0.10, 0.25, 0.50, 1.0]
@@ -170,8 +161,8 @@ def test_trained_suite_table(tiny_gguf, tmp_path):
     assert "| lru | 100% | " in (tmp_path / "report.md").read_text()
 
 
-def test_trained_suite_threshold(tiny_gguf, tmp_path):
-    report = suite(tmp_path, "trained", "threshold", "--model", str(tiny_gguf), "--windows", "1",
+def test_trained_suite_threshold(mixtral_q8, tmp_path):
+    report = suite(tmp_path, "trained", "threshold", "--model", str(mixtral_q8), "--windows", "1",
                    "--length", "8", "--thresholds", "0", "0.5")
     off, half = report["results"]
     picks = report["picks_per_token"] * report["tokens"]
@@ -184,8 +175,8 @@ def test_trained_suite_threshold(tiny_gguf, tmp_path):
     assert "| off (resident) | 0 | " in (tmp_path / "report.md").read_text()
 
 
-def test_trained_suite_lowbit(tiny_gguf, tmp_path):
-    report = suite(tmp_path, "trained", "lowbit", "--model", str(tiny_gguf), "--windows", "1",
+def test_trained_suite_lowbit(mixtral_q8, tmp_path):
+    report = suite(tmp_path, "trained", "lowbit", "--model", str(mixtral_q8), "--windows", "1",
                    "--length", "8")
     rows = {(r["lowbit"], r["policy"], r["share"]): r for r in report["results"]}
     assert len(rows) == 7
@@ -247,7 +238,7 @@ def test_traces_suite_on_tiny_traces(tmp_path, capsys):
     assert err.count("\n") == 0 and f"{missing}: no such folder" in err
 
 
-def test_plan_suite_measured_floor_is_what_the_store_accepts(tiny_gguf, tmp_path):
+def test_plan_suite_measured_floor_is_what_the_store_accepts(mixtral_q8, tmp_path):
     import platform
 
     from moeswap.bench.scenarios import ModelFacts
@@ -265,7 +256,7 @@ def test_plan_suite_measured_floor_is_what_the_store_accepts(tiny_gguf, tmp_path
         "expert_call": 8e-5}}))
     out = tmp_path / "out"
     code = main(["bench", "-o", str(out), "--suite", "plan", "measured", "--model",
-                 str(tiny_gguf), "--work-dir", str(tmp_path / "w"), "--probe-cache", str(cache),
+                 str(mixtral_q8), "--work-dir", str(tmp_path / "w"), "--probe-cache", str(cache),
                  "-n", "4", "--repeats", "1", "--shares", "0", "1.0"])
     report = json.loads((out / "report.json").read_text())
     assert report["suite"] == "plan" and code == (0 if report["passed"] else 1)
@@ -274,7 +265,7 @@ def test_plan_suite_measured_floor_is_what_the_store_accepts(tiny_gguf, tmp_path
     # the plan's floor is the store's charge: at it the store holds no slot, at 100 % every one
     assert floor["host_bytes"] == floor["plan_host_charged"] == floor["store"]["host_charged"]
     assert floor["plan_host_slots"] == floor["store"]["host_slots"] == 0
-    facts = ModelFacts.of(str(tiny_gguf))
+    facts = ModelFacts.of(str(mixtral_q8))
     assert full["plan_host_slots"] == full["store"]["host_slots"] == \
         facts.n_expert * facts.moe_layers
     assert full["store"]["hit_rate"] >= floor["store"]["hit_rate"]
@@ -284,7 +275,7 @@ def test_plan_suite_measured_floor_is_what_the_store_accepts(tiny_gguf, tmp_path
     # a byte below the floor: the store refuses to load
     charge = HostCharge.for_sequence(PROMPT_TOKENS + 4, STEP_TOKENS)
     with pytest.raises(MoeswapError, match="--host-mem"):
-        load(str(tiny_gguf), threads=1, **load_options(
+        load(str(mixtral_q8), threads=1, **load_options(
             OffloadSettings(host_bytes=floor["host_bytes"] - 1), charge))
 
 

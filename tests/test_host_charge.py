@@ -4,27 +4,16 @@ sum what --host-mem pays through moeswap.memory.HostCharge. A term added there (
 
 from __future__ import annotations
 
-import pytest
-
-import tiny_models
 from moeswap import memory
 from moeswap.cli import main
 from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.store import ExpertStore
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.gguf_tools.convert import convert
 from moeswap.memory import HostCharge, format_size
 from moeswap.quant import CpuKernels
 
 EXTRA = 12345
-
-
-@pytest.fixture(scope="module")
-def mixtral_path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("charge")
-    tiny_models.save("mixtral", folder / "hf", num_local_experts=4)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def add_a_term(monkeypatch) -> None:
@@ -62,18 +51,18 @@ def figures(path) -> dict[str, int]:
             "planner": sizes.host_charged(charge), "plan": plan.host_charged}
 
 
-def test_every_caller_charges_through_host_charge(mixtral_path, monkeypatch):
-    before = figures(mixtral_path)
+def test_every_caller_charges_through_host_charge(mixtral_file, monkeypatch):
+    before = figures(mixtral_file)
     assert before["store"] == before["bench"] == before["planner"] == before["plan"]
     add_a_term(monkeypatch)
-    after = figures(mixtral_path)
+    after = figures(mixtral_file)
     assert {name: after[name] - before[name] for name in before} == dict.fromkeys(before, EXTRA)
 
 
-def test_run_refuses_a_budget_the_new_term_no_longer_fits(mixtral_path, monkeypatch, capsys):
+def test_run_refuses_a_budget_the_new_term_no_longer_fits(mixtral_file, monkeypatch, capsys):
     """`moeswap run` at exactly its floor runs (every expert read from the file); with the
     extra term the same budget is refused, and the message names the term."""
-    gguf = GGUFFile.open(mixtral_path)
+    gguf = GGUFFile.open(mixtral_file)
     config = config_from_gguf(gguf)
     prompt = "abc"
     context, step = len(prompt) + 1 + 2, len(prompt) + 1  # as run counts: bytes + BOS, -n 2
@@ -81,7 +70,7 @@ def test_run_refuses_a_budget_the_new_term_no_longer_fits(mixtral_path, monkeypa
                         OffloadSettings(host_bytes=1 << 30),
                         HostCharge.for_sequence(context, step))
     budget = str(store.residency.charged["host"])
-    args = ["run", str(mixtral_path), "-p", prompt, "-n", "2", "--temp", "0", "--threads", "1",
+    args = ["run", str(mixtral_file), "-p", prompt, "-n", "2", "--temp", "0", "--threads", "1",
             "--prefetch", "off", "--host-mem", budget]
     assert main(args) == 0
     capsys.readouterr()

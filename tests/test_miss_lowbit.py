@@ -22,20 +22,12 @@ from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import piece_offsets, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
 from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
 from moeswap.quant import CpuKernels, quantize_rows
 from moeswap.quant.reference import dequantize_matrix
 
 PROMPT = torch.randint(0, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(5))
-
-
-@pytest.fixture(scope="module")
-def mixtral_q8(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("lowbit")
-    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def plan(path) -> tuple[GGUFFile, int, int, list[int], int]:

@@ -23,7 +23,6 @@ from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.tiers import slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.gguf_tools.convert import convert
 from moeswap.models.quant_experts import ExpertLayout
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
@@ -43,13 +42,6 @@ def one_thread():
     torch.set_num_threads(previous)
 
 CHARGE = HostCharge.for_sequence(CTX * N_REQUESTS)  # every request's cache at once
-
-
-@pytest.fixture(scope="module")
-def q8_path(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("batch8")
-    tiny_models.save("mixtral", folder / "hf", num_local_experts=8)
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
 
 
 def host_budget(path) -> tuple[int, int]:
@@ -136,15 +128,15 @@ def serve(path, host: int, together: bool):
     return texts, rows, runtime.model.batch_sizes, runtime.stats()["total"]["disk_bytes"]
 
 
-def test_eight_concurrent_streams_match_solo_runs_and_share_expert_reads(q8_path):
-    host, all_experts = host_budget(q8_path)
+def test_eight_concurrent_streams_match_solo_runs_and_share_expert_reads(mixtral_q8):
+    host, all_experts = host_budget(mixtral_q8)
     assert host < all_experts  # the budget cannot hold every expert
-    texts, rows, batch_sizes, batched_bytes = serve(q8_path, host, together=True)
-    _, _, sequential_sizes, sequential_bytes = serve(q8_path, host, together=False)
+    texts, rows, batch_sizes, batched_bytes = serve(mixtral_q8, host, together=True)
+    _, _, sequential_sizes, sequential_bytes = serve(mixtral_q8, host, together=False)
     assert max(batch_sizes) >= N_REQUESTS // 2 and max(sequential_sizes) == 1
     assert 0 < batched_bytes < sequential_bytes
 
-    solo = moeswap.load(q8_path, threads=1, tokenizer_cache_dir=q8_path.parent / "cache")
+    solo = moeswap.load(mixtral_q8, threads=1, tokenizer_cache_dir=mixtral_q8.parent / "cache")
     checked = compared = 0
     for i, prompt in enumerate(prompts()):
         tokens = [int(r.argmax()) for r in rows[i]]  # greedy: what the batch chose
