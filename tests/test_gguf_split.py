@@ -23,7 +23,6 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools import fix
 from moeswap.gguf_tools.doctor import diagnose
 from moeswap.gguf_tools.inspect import inspect_file
-from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
 from moeswap.models.quant_experts import ExpertLayout
 from moeswap.planner.sizes import model_sizes
@@ -33,10 +32,9 @@ PIECES = 3
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mixtral")
-    tiny_models.save("mixtral", folder / "hf")
-    return convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+def single(mixtral_file):
+    """The one file the set is split from: conftest's tiny Mixtral."""
+    return mixtral_file
 
 
 @pytest.fixture(scope="module")
