@@ -12,9 +12,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from moeswap.experts.device import DEVICE_TYPES, _DeviceMatrix
+from moeswap.experts.device import DEVICE_TYPES
 from moeswap.experts.device_dequant import dequantize
-from test_device_kquants import PRODUCT_BOUND, as_bits, calm_f32_mixtral  # noqa: F401
+from test_device_kquants import (PRODUCT_BOUND, as_bits, calm_f32_mixtral,  # noqa: F401
+                                 device_and_ggml_products, products_compared_with_ggml)
 
 IQ_TYPES = [Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S]
 
@@ -61,18 +62,13 @@ def test_dequantize_is_gguf_py_bit_for_bit(ggml_type):
 @pytest.mark.parametrize("ggml_type", IQ_TYPES, ids=lambda t: t.name)
 def test_device_products_match_ggml_up_to_summation_order(ggml_type):
     pytest.importorskip("llama_cpp", reason="ggml's CPU kernels come from llama-cpp-python")
-    from moeswap.quant import CpuKernels
-
     width, height, n_tokens = 1024, 48, 5
     rng = np.random.default_rng(300 + int(ggml_type))
     raw = quantized(rng.standard_normal((height, width)).astype(np.float32), ggml_type)
     x = torch.from_numpy(rng.standard_normal((n_tokens, width)).astype(np.float32))
-    ids = torch.zeros(n_tokens, 1, dtype=torch.int32)
-    expected = CpuKernels(1).experts(raw, ggml_type, (width, height, 1)).matmul(x, ids)
-    weights = torch.from_numpy(raw.reshape(-1).copy())
+    got, expected, weights = device_and_ggml_products(raw, ggml_type, x)
     assert torch.equal(dequantize(weights, int(ggml_type), height, width),
                        torch.from_numpy(gguf_dequantize(raw, ggml_type)))
-    got = _DeviceMatrix(weights, int(ggml_type), (width, height)).matmul(x, ids)
     scale = float(expected.abs().max())
     assert float((got - expected).abs().max()) / scale <= PRODUCT_BOUND, ggml_type.name
 
@@ -91,29 +87,16 @@ def test_device_tier_agrees_with_the_cpu_kernels_on_iq_experts(
     from gguf_builders import rewrite_experts
     from test_expert_store import decode_logits, plan, store_model
 
-    from moeswap.experts import device
     from moeswap.models import load_model
     from moeswap.models.quant_experts import QuantResidentExperts
-    from moeswap.quant import CpuKernels
 
     def stored(kind, data):
         packed = quantized(data.reshape(-1, data.shape[-1]), mix[kind])
         return packed.reshape(*data.shape[:-1], -1), mix[kind]
 
-    kernels, product_errors = CpuKernels(1), []
-    on_device = device._DeviceMatrix.matmul
-
-    def compared_with_ggml(matrix, x, ids):
-        got = on_device(matrix, x, ids)
-        raw = matrix.raw.numpy().reshape(matrix.out_features, -1)
-        ne = (matrix.in_features, matrix.out_features, 1)
-        expected = kernels.experts(raw, matrix.ggml_type, ne).matmul(x, ids)
-        product_errors.append(float((got - expected).abs().max() / expected.abs().max()))
-        return got
-
     path = rewrite_experts(calm_f32_mixtral, tmp_path / "iq.gguf", stored)
     expected = decode_logits(load_model(path, threads=1, expert_runner=QuantResidentExperts))
-    monkeypatch.setattr(device._DeviceMatrix, "matmul", compared_with_ggml)
+    product_errors = products_compared_with_ggml(monkeypatch)
     _, _, layers, n_experts = plan(path)
     for device_slots in (len(layers), len(layers) * n_experts):
         model, factory = store_model(path, 1, device_slots, miss="transfer",

@@ -125,20 +125,51 @@ PRODUCT_BOUND = 2e-6
 PRODUCT_TYPES = [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.MXFP4, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
+def device_and_ggml_products(raw: np.ndarray, ggml_type: Q, x: torch.Tensor):
+    """The quantized rows ``raw`` [O, row bytes] times the tokens ``x`` [M, I] on the device tier
+    and by ggml's CPU kernels -> (device product [M, 1, O], ggml's, the weights' bytes)."""
+    from moeswap.quant import CpuKernels
+
+    height, width = raw.shape[0], x.shape[1]
+    ids = torch.zeros(x.shape[0], 1, dtype=torch.int32)
+    expected = CpuKernels(1).experts(raw, ggml_type, (width, height, 1)).matmul(x, ids)
+    weights = torch.from_numpy(raw.reshape(-1).copy())
+    got = _DeviceMatrix(weights, int(ggml_type), (width, height)).matmul(x, ids)
+    return got, expected, weights
+
+
+def products_compared_with_ggml(monkeypatch) -> list[float]:
+    """From now on every product the device tier computes is also computed by ggml's CPU
+    kernels -> the list that each one's largest difference, relative, is appended to."""
+    from moeswap.experts import device
+    from moeswap.quant import CpuKernels
+
+    kernels, product_errors = CpuKernels(1), []
+    on_device = device._DeviceMatrix.matmul
+
+    def compared_with_ggml(matrix, x, ids):
+        got = on_device(matrix, x, ids)
+        raw = matrix.raw.numpy().reshape(matrix.out_features, -1)
+        ne = (matrix.in_features, matrix.out_features, 1)
+        expected = kernels.experts(raw, matrix.ggml_type, ne).matmul(x, ids)
+        product_errors.append(float((got - expected).abs().max() / expected.abs().max()))
+        return got
+
+    monkeypatch.setattr(device._DeviceMatrix, "matmul", compared_with_ggml)
+    return product_errors
+
+
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("ggml_type", PRODUCT_TYPES, ids=lambda t: t.name)
 def test_device_products_match_ggml_up_to_summation_order(ggml_type):
     pytest.importorskip("llama_cpp", reason="ggml's CPU kernels come from llama-cpp-python")
-    from moeswap.quant import CpuKernels, quantize_rows
+    from moeswap.quant import quantize_rows
 
     width, height, n_tokens = 1024, 48, 5
     rng = np.random.default_rng(200 + int(ggml_type))
     raw = quantize_rows(rng.standard_normal((height, width)).astype(np.float32), ggml_type)
     x = torch.from_numpy(rng.standard_normal((n_tokens, width)).astype(np.float32))
-    ids = torch.zeros(n_tokens, 1, dtype=torch.int32)
-    expected = CpuKernels(1).experts(raw, ggml_type, (width, height, 1)).matmul(x, ids)
-    weights = torch.from_numpy(raw.reshape(-1).copy())
-    got = _DeviceMatrix(weights, int(ggml_type), (width, height)).matmul(x, ids)
+    got, expected, weights = device_and_ggml_products(raw, ggml_type, x)
     scale = float(expected.abs().max())
     assert float((got - expected).abs().max()) / scale <= PRODUCT_BOUND, ggml_type.name
     unrounded = x @ dequantize(weights, int(ggml_type), height, width).T  # [M, O]
@@ -190,25 +221,12 @@ def test_device_tier_agrees_with_the_cpu_kernels_on_k_quants(calm_f32_mixtral, m
     pytest.importorskip("llama_cpp", reason="the resident reference runs ggml's CPU kernels")
     from test_expert_store import assert_device_tier_agrees
 
-    from moeswap.experts import device
     from moeswap.formats.gguf_file import GGUFFile
-    from moeswap.quant import CpuKernels
-
-    kernels, product_errors = CpuKernels(1), []
-    on_device = device._DeviceMatrix.matmul
-
-    def compared_with_ggml(matrix, x, ids):
-        got = on_device(matrix, x, ids)
-        raw = matrix.raw.numpy().reshape(matrix.out_features, -1)
-        ne = (matrix.in_features, matrix.out_features, 1)
-        expected = kernels.experts(raw, matrix.ggml_type, ne).matmul(x, ids)
-        product_errors.append(float((got - expected).abs().max() / expected.abs().max()))
-        return got
 
     path = with_expert_types(calm_f32_mixtral, tmp_path / f"{mix}.gguf", EXPERT_TYPES[mix])
     stored = {t.ggml_type for t in GGUFFile.open(path).tensors if t.name.endswith("_exps.weight")}
     assert stored == set(EXPERT_TYPES[mix])
-    monkeypatch.setattr(device._DeviceMatrix, "matmul", compared_with_ggml)
+    product_errors = products_compared_with_ggml(monkeypatch)
     assert_device_tier_agrees(path)
     assert product_errors and max(product_errors) <= PRODUCT_BOUND
 
