@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import pytest
+from test_planner import RATES, sizes_of
 
 import moeswap
 from moeswap.cli import main
-from moeswap.experts.cost import Rates
-from moeswap.formats.gguf_file import GGUFFile
 from moeswap.memory import format_size, forward_working_bytes, kv_cache_bytes
 from moeswap.planner import auto
 from moeswap.planner.auto import HOST_RESERVE, Machine, auto_plan
 from moeswap.planner.llama_cpp import GPU_RESERVE
-from moeswap.planner.rates import PlanRates
-from moeswap.planner.sizes import model_sizes
 
 MODEL = str(moeswap.DEFAULT_MODEL)
-RATES = PlanRates(Rates(disk_read=1e9, link=1e10, host_compute=1e10, device_compute=1e11), "test")
 PROMPT = "def add(a, b):"
 N_PREDICT = 8
 STEP = len(PROMPT.encode()) + 1  # the prompt's most tokens: `run` feeds it in one forward
@@ -26,11 +22,7 @@ GiB = 1 << 30
 
 @pytest.fixture(scope="module")
 def sizes():
-    gf = GGUFFile.open(MODEL)
-    try:
-        return model_sizes(gf)
-    finally:
-        gf.close()
+    return sizes_of(MODEL)
 
 
 def charged(sizes) -> int:

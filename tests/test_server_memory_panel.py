@@ -13,26 +13,17 @@ import moeswap
 import tiny_models
 from moeswap.experts.build import build_store
 from moeswap.experts.settings import OffloadSettings
-from moeswap.formats.gguf_file import GGUFFile
 from moeswap.gguf_tools.convert import convert
 from moeswap.memory import HostCharge
-from moeswap.planner.sizes import model_sizes
 from moeswap.server.activity import ExpertActivity
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
+from test_planner import sizes_of
 from test_server import one_thread  # noqa: F401 (fixture)
 from test_server_live import serve_app
 from test_server_page import store_sizes
 
 BATCH = BatchOptions(max_batch=4, ctx=128, step_tokens=64)
-
-
-def file_sizes(path):
-    gf = GGUFFile.open(path)
-    try:
-        return model_sizes(gf)
-    finally:
-        gf.close()
 
 
 def experts_body(url: str) -> dict:
@@ -68,7 +59,7 @@ def test_the_built_in_model_reports_experts_held_against_each_tiers_slots():
     assert 0 < held <= slots
     assert held == sum(row.count("host") for row in after["tier"])  # the grid's own cells
     memory = after["memory"]
-    sizes = file_sizes(path)
+    sizes = sizes_of(path)
     assert memory["dense"] is False and memory["budget_bytes"] == fixed + 20 * slot
     assert (memory["shared_bytes"], memory["expert_bytes"]) == (sizes.shared_bytes,
                                                                 sizes.routed_bytes)
@@ -89,7 +80,7 @@ def test_a_dense_model_gets_weights_kv_and_budget_instead_of_an_empty_grid(dense
         complete(url, "dense")
         body = experts_body(url)
     assert body["layers"] == [] and body["tiers"] == {}
-    sizes = file_sizes(dense_path)
+    sizes = sizes_of(dense_path)
     charge = HostCharge.for_batch(BATCH.ctx, BATCH.max_batch, BATCH.step_tokens, "f16")
     assert body["memory"] == {
         "dense": True, "shared_bytes": sizes.total_bytes, "expert_bytes": 0,
