@@ -9,22 +9,17 @@ import threading
 
 import numpy as np
 import pytest
-import tiny_models
 import torch
+from test_expert_store import decode_logits, store_model
 
 from moeswap.errors import MoeswapError
-from moeswap.experts.build import build_store
 from moeswap.experts.direct_io import BOUNCE_BYTES, DIRECT_ALIGNMENT, ModelFile
 from moeswap.experts.disk_reads import ParallelReads
-from moeswap.experts.settings import OffloadSettings
-from moeswap.experts.store import shared_bytes
 from moeswap.experts.tiers import DiskReader, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.loader import load_model
 from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
-
-PROMPT = torch.randint(0, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(5))
 
 
 @pytest.fixture(scope="module")
@@ -168,25 +163,10 @@ def test_a_short_read_in_flight_names_the_file_and_tensor(mixtral_file, tmp_path
     reads.close()
 
 
-def store_model(path, host_slots: int, **options):
-    gguf = GGUFFile.open(path)
-    config = config_from_gguf(gguf)
-    slot = slot_bytes([ExpertLayout.from_file(gguf, i) for i in config.moe_layers])
-    fixed = shared_bytes(gguf, config.moe_layers) + config.n_expert_used * slot
-    factory = build_store(OffloadSettings(host_bytes=fixed + host_slots * slot, **options))
-    return load_model(path, threads=1, expert_runner=factory), factory
-
-
-def logits(model) -> torch.Tensor:
-    cache = model.new_cache()
-    parts = [model.forward([PROMPT[:8]], [cache])[0]]
-    parts += [model.forward([PROMPT[i:i + 1]], [cache])[0] for i in range(8, 12)]
-    return torch.cat(parts)
-
-
 @pytest.mark.parametrize("host_slots", [0, 3])
 def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, host_slots):
-    expected = logits(load_model(mixtral_file, threads=1, expert_runner=QuantResidentExperts))
+    resident = load_model(mixtral_file, threads=1, expert_runner=QuantResidentExperts)
+    expected = decode_logits(resident)
     model, factory = store_model(mixtral_file, host_slots, cold_reads=True, prefetch="off")
     r = factory.store.residency
     seen, twice, steps = set(), [], []
@@ -203,7 +183,7 @@ def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, ho
         start(layer, experts)
 
     r.disk.read_piece, r.step.start = counted, new_step
-    assert torch.equal(logits(model), expected)
+    assert torch.equal(decode_logits(model), expected)
     assert not twice
     assert any(steps)  # the prefill had more misses than ring slots: streamed
     total = factory.stats()["total"]
@@ -212,7 +192,7 @@ def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, ho
 
 def test_held_experts_compute_while_the_steps_misses_are_read(mixtral_file):
     model, factory = store_model(mixtral_file, 3, cold_reads=True, prefetch="off")
-    logits(model)  # fills the host slots: 3 of 8 experts, so some layer holds some, not all
+    decode_logits(model)  # fills the host slots: 3 of 8 experts, so some layer holds some, not all
     r = factory.store.residency
     layer = next(i for i in r.layouts if 0 < sum(k[0] == i for k in r.slots["host"]) < 4)
     held = sorted(e for (i, e) in r.slots["host"] if i == layer)

@@ -11,8 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from hypothesis import given, settings, strategies as st
+from test_expert_store import decode_logits
 
-import tiny_models
 from moeswap.errors import MoeswapError
 from moeswap.experts.lowbit import LowBitCopies
 from moeswap.memory import forward_working_bytes, kv_bytes_per_token
@@ -26,8 +26,6 @@ from moeswap.models import load_model
 from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
 from moeswap.quant import CpuKernels, quantize_rows
 from moeswap.quant.reference import dequantize_matrix
-
-PROMPT = torch.randint(0, tiny_models.VOCAB, (12,), generator=torch.Generator().manual_seed(5))
 
 
 def plan(path) -> tuple[GGUFFile, int, int, list[int], int]:
@@ -44,14 +42,6 @@ def copies_bytes(path, type_name: str = "q4_0") -> int:
     gguf, _, _, layers, _ = plan(path)
     return LowBitCopies(gguf, {i: ExpertLayout.from_file(gguf, i) for i in layers},
                         type_name).nbytes
-
-
-def decode_logits(model) -> torch.Tensor:
-    """A prefill of 8 tokens, then 4 decode steps: [12, V]."""
-    cache = model.new_cache()
-    parts = [model.forward([PROMPT[:8]], [cache])[0]]
-    parts += [model.forward([PROMPT[i:i + 1]], [cache])[0] for i in range(8, 12)]
-    return torch.cat(parts)
 
 
 def direct_store(path, host_slots: int, **options) -> ExpertStore:
