@@ -9,6 +9,7 @@ import io
 
 import pytest
 import torch
+from test_server import one_thread  # noqa: F401 (fixture)
 
 import moeswap
 from moeswap.chat import ChatOptions, ChatSession
@@ -37,14 +38,6 @@ class CountingModel:
     def forward(self, tokens, caches, last_only=False):
         self.calls.append([int(t.numel()) for t in tokens])
         return self.model.forward(tokens, caches, last_only)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One kernel thread (the machine is shared); torch's count is process-wide, so restored."""
-    previous = torch.get_num_threads()
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module", params=["mixtral", "gpt_oss"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import threading
 
-import pytest
 import torch
 from fastapi.testclient import TestClient
 
@@ -26,21 +25,12 @@ from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.quant_experts import ExpertLayout
 from moeswap.server.app import ServerOptions, create_app
 from moeswap.server.batching import BatchOptions
-from test_server import LOCAL, WrappedRuntime
+from test_server import LOCAL, WrappedRuntime, one_thread  # noqa: F401 (fixture)
 
 N_REQUESTS, MAX_TOKENS, CTX, MARGIN = 8, 12, 48, 0.1
 # Host-tier experts, of 2 layers x 8. With 5, one request's working set fits and a batch's
 # does not: the batch then reads more (docs/SERVER.md, "Batching").
 EXPERT_SLOTS = 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One kernel thread (see tests/test_server.py); torch's count is process-wide: restored."""
-    previous = torch.get_num_threads()
-    yield
-    torch.set_num_threads(previous)
-
 CHARGE = HostCharge.for_sequence(CTX * N_REQUESTS)  # every request's cache at once
 
 
