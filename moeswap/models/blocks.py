@@ -13,14 +13,19 @@ E head size (V: of the values, where it differs), R rotated dims per head, F FFN
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from moeswap.memory import held_positions
 from moeswap.formats.rope_scaling import Yarn
+
+# A ggml attention graph attends over whole spans of this many slots, masking unused ones, as
+# llama.cpp pads its n_kv (moeswap.models.ggml_attention): an unbudgeted cache starts with one
+# span, so that a short sequence's dot products over slots have llama.cpp's length.
+SLOT_SPAN = 256
 
 
 # A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
@@ -76,21 +81,30 @@ class KVCache:
                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store the new tokens' k, v [T, K, E] at positions length..length+T-1; return the
         kept keys [S, K, E], values [S, K, V] and their absolute positions [S]."""
-        window, n_new = self.windows[layer], k.shape[0]
+        slots = self.room(layer, k.shape[0], k.shape[1:], v.shape[1:])
+        slots.write(k, v, self.length)
+        return slots.kept()
+
+    def room(self, layer: int, n_new: int, key_shape: Sequence[int],
+             value_shape: Sequence[int]) -> _LayerSlots:
+        """The layer's slots with room for ``n_new`` positions after ``length`` (allocated on
+        the first call with entries of key_shape [K, E] and value_shape [K, V]); the caller
+        writes them (``append``, or a ggml graph through ``_LayerSlots.claim``)."""
+        window = self.windows[layer]
         older = min(self.length, window - 1) if window else self.length  # still visible
         slots = self._layers[layer]
         if slots is None or slots.capacity < older + n_new:
             if self.sizes[layer]:  # the charged size; past it (a longer sequence) just enough
                 capacity = max(self.sizes[layer], older + n_new)
             else:
-                capacity = max(2 * (0 if slots is None else slots.capacity), 16, older + n_new)
+                capacity = max(2 * (0 if slots is None else slots.capacity), SLOT_SPAN,
+                               older + n_new)
                 if window:
                     capacity = min(capacity, window - 1 + n_new)
-            slots = _LayerSlots(capacity, k.to(self.dtype), v.to(self.dtype), slots,
+            slots = _LayerSlots(capacity, tuple(key_shape), tuple(value_shape), self.dtype, slots,
                                 self.length - older, self.length)
             self._layers[layer] = slots
-        slots.write(k, v, self.length)
-        return slots.kept()
+        return slots
 
     def n_floats(self) -> int:
         """Numbers held in written slots, keys and values of every layer: each committed
@@ -122,21 +136,24 @@ class KVCache:
 
 
 class _LayerSlots:
-    """One layer's slots: keys [C, K, E], values [C, K, V], positions [C]. Position p lives in
-    slot (p - base) % C, so a step that is run again after a failure rewrites the same slots."""
+    """One layer's slots: keys [C, K, E], values stored transposed [K, V, C] (as llama.cpp's
+    v_trans, so a ggml product reads each value row contiguously), positions [C]. Position p
+    lives in slot (p - base) % C, so a step that is run again after a failure rewrites the same
+    slots. Buffers start zeroed: a ggml graph attends over whole padded spans of slots, masking
+    the unwritten ones, and a zero never turns a masked score into NaN."""
 
-    def __init__(self, capacity: int, k: torch.Tensor, v: torch.Tensor,
-                 old: "_LayerSlots | None", first_kept: int, length: int):
+    def __init__(self, capacity: int, key_shape: tuple[int, ...], value_shape: tuple[int, ...],
+                 dtype: torch.dtype, old: _LayerSlots | None, first_kept: int, length: int):
         """Room for ``capacity`` positions, holding positions first_kept..length-1 of ``old``."""
         self.capacity, self.base, self.end = capacity, first_kept, first_kept
         self.frontier = first_kept  # one past the latest position ever written (>= end)
-        self.keys = k.new_empty((capacity, *k.shape[1:]))
-        self.values = v.new_empty((capacity, *v.shape[1:]))
-        self.positions = torch.empty(capacity, dtype=torch.long)
+        self.keys = torch.zeros((capacity, *key_shape), dtype=dtype)  # [C, K, E]
+        self.values = torch.zeros((*value_shape, capacity), dtype=dtype)  # [K, V, C]
+        self.positions = torch.zeros(capacity, dtype=torch.long)
         if old is not None and length > first_kept:
             at, n = old.slots(first_kept, length), length - first_kept  # oldest first
             self.keys[:n] = old.keys[at]  # [n, K, E]
-            self.values[:n] = old.values[at]  # [n, K, V]
+            self.values[..., :n] = old.values[..., at]  # [K, V, n]
             self.positions[:n] = old.positions[at]  # [n]
             self.end = self.frontier = length
 
@@ -148,13 +165,20 @@ class _LayerSlots:
             return slice(start, start + end - first)
         return (torch.arange(first, end) - self.base) % self.capacity
 
+    def claim(self, first: int, n_new: int) -> slice | torch.Tensor:
+        """Mark positions first..first+n_new-1 as written -> their slots; the caller writes
+        their keys and values there."""
+        at = self.slots(first, first + n_new)
+        self.positions[at] = torch.arange(first, first + n_new)
+        self.end = first + n_new
+        self.frontier = max(self.frontier, self.end)
+        return at
+
     def write(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
         """k [T, K, E], v [T, K, V] at positions first..first+T-1 (cast to the slots' type)."""
-        at = self.slots(first, first + k.shape[0])
-        self.keys[at], self.values[at] = k.to(self.keys.dtype), v.to(self.values.dtype)
-        self.positions[at] = torch.arange(first, first + k.shape[0])
-        self.end = first + k.shape[0]
-        self.frontier = max(self.frontier, self.end)
+        at = self.claim(first, k.shape[0])
+        self.keys[at] = k.to(self.keys.dtype)
+        self.values[..., at] = v.permute(1, 2, 0).to(self.values.dtype)  # [K, V, T]
 
     @property
     def oldest(self) -> int:
@@ -167,10 +191,10 @@ class _LayerSlots:
 
     def kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.filled
-        return self.keys[:n], self.values[:n], self.positions[:n]
+        return self.keys[:n], self.values[..., :n].permute(2, 0, 1), self.positions[:n]
 
     def n_floats(self) -> int:
-        return self.keys[:self.filled].numel() + self.values[:self.filled].numel()
+        return self.keys[:self.filled].numel() + self.values[..., :self.filled].numel()
 
 
 @dataclass
@@ -180,6 +204,9 @@ class Batch:
     positions: torch.Tensor  # [N] absolute position of every token
     spans: list[tuple[int, int]]  # per sequence: [start, end) into the N axis
     caches: list[KVCache]
+    # What every layer of one slot layout shares within this forward (attention masks, slot
+    # indices), made by the first layer that needs it (moeswap.models.ggml_attention).
+    shared: dict[Any, Any] = field(default_factory=dict)
 
 
 class Rope:
@@ -191,6 +218,8 @@ class Rope:
                  freq_factors: torch.Tensor | None = None, yarn: Yarn | None = None,
                  mscale: float = 1.0):
         """mscale: the cos/sin multiplier without YaRN (YaRN brings its own)."""
+        # As given, for ggml's rope_ext (moeswap.models.ggml_attention), which takes no YaRN here.
+        self.base, self.scale, self.freq_factors, self.yarn = base, scale, freq_factors, yarn
         exponents = torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot
         inv_freq = base ** -exponents  # [R/2]
         if freq_factors is not None:
@@ -261,9 +290,14 @@ class Attention:
 
     def __init__(self, layer: int, weights: AttentionWeights, spec: AttentionSpec, rope: Rope):
         self.layer, self.w, self.spec, self.rope = layer, weights, spec, rope
+        # The same attention as one ggml graph, where the loader could build one
+        # (moeswap.models.ggml_attention); this class's torch code is then its reference.
+        self.graph: Callable[[torch.Tensor, Batch], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
+        if self.graph is not None:
+            return self.graph(x, batch)
         w, s = self.w, self.spec
         q, k, v = w.wq(x), w.wk(x), w.wv(x)  # [N, H*E], [N, K*E], [N, K*E]
         if w.q_norm is not None and w.q_norm.shape[0] != s.head_dim:  # whole-projection norm

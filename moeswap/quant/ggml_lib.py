@@ -64,6 +64,16 @@ _SIGNATURES = {
     "ggml_scale_bias": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_swiglu_oai": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_backend_view_init": (_INT, [_VOID_P]),
+    # Attention as one graph per layer (moeswap/models/ggml_attention.py).
+    "ggml_reshape_2d": (_VOID_P, [_VOID_P, _VOID_P, _I64, _I64]),
+    "ggml_permute": (_VOID_P, [_VOID_P, _VOID_P, _INT, _INT, _INT, _INT]),
+    "ggml_cont": (_VOID_P, [_VOID_P, _VOID_P]),
+    "ggml_rms_norm": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float]),
+    "ggml_rope_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
+                                ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+                                ctypes.c_float, ctypes.c_float]),
+    "ggml_soft_max_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
+    "ggml_set_rows": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P]),
     # ggml's repacked CPU layouts (moeswap/quant/repack.py): the CPU backend's extra buffer types.
     "ggml_backend_cpu_reg": (_VOID_P, []),
     "ggml_backend_reg_get_proc_address": (_VOID_P, [_VOID_P, ctypes.c_char_p]),

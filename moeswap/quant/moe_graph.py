@@ -35,11 +35,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.quant.ggml_lib import GGML, InitParams
-from moeswap.quant.kernels import REGION_BYTES, WORK_OFFSET, CpuKernels, check_status
+from moeswap.quant.graph_arena import Arena
+from moeswap.quant.kernels import CpuKernels, check_status
 
 _F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
 _SQRT_2_PI = math.sqrt(2 / math.pi)
-_ARENA_ALIGNMENT = 64  # a cache line: ggml's SIMD loads never straddle two tensors' data
 
 
 @dataclass(frozen=True)
@@ -188,42 +188,6 @@ class _Graph:
     output: int  # scratch offset of the result
 
 
-class _Arena:
-    """Places a graph's tensors one after the other in the scratch's work region."""
-
-    def __init__(self, kernels: CpuKernels, context: int):
-        self.kernels, self.ggml, self.context, self.used = kernels, kernels.ggml, context, 0
-        self.offsets: dict[int, int] = {}  # tensor -> its scratch offset
-
-    def place(self, tensor: int) -> int:
-        """Give ``tensor`` the next free bytes -> its scratch offset."""
-        n_bytes = self.ggml.ggml_nbytes(tensor)
-        offset = WORK_OFFSET + self.used
-        self.used += -(-n_bytes // _ARENA_ALIGNMENT) * _ARENA_ALIGNMENT
-        if self.used > REGION_BYTES:  # checked here: ggml would write past the region
-            raise MoeswapError(f"a fused expert step needs over {REGION_BYTES} bytes of scratch; "
-                               "run fewer tokens per step (--step-tokens)")
-        self.kernels.place_in_scratch(tensor, offset)
-        self.offsets[tensor] = offset
-        return offset
-
-    def new(self, ggml_type: int, *ne: int) -> int:
-        """A new tensor of shape ``ne`` in the arena."""
-        tensor = self.ggml.ggml_new_tensor_3d(self.context, ggml_type, *ne, *([1] * (3 - len(ne))))
-        self.place(tensor)
-        return tensor
-
-    def op(self, tensor: int) -> int:
-        """An op's result, placed."""
-        self.place(tensor)
-        return tensor
-
-    def view(self, tensor: int) -> int:
-        """A view (of a placed tensor), its data pointer set."""
-        check_status(self.ggml.ggml_backend_view_init(tensor), "view")
-        return tensor
-
-
 def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
     """The graph of ``stage`` ("all", "hidden" or "down") for T = n_tokens, K = n_picked;
     shapes in ggml order (ne0 first)."""
@@ -232,7 +196,7 @@ def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
     size = n_tensors * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(n_nodes, False)
     context = ggml.ggml_init(InitParams(size, None, True))
     ffn._contexts.append(context)
-    arena = _Arena(ffn.kernels, context)
+    arena = Arena(ffn.kernels, context)
     if stage == "down":
         rows = arena.new(_F32, ffn.hidden_width, k, t)  # (F, K, T): one row per pick
     else:
@@ -292,7 +256,7 @@ def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
     return _Graph(graph, tuple(arena.offsets[tensor] for tensor in inputs), arena.offsets[out])
 
 
-def _gelu_tanh(ggml: GGML, context: int, arena: _Arena, x: int) -> int:
+def _gelu_tanh(ggml: GGML, context: int, arena: Arena, x: int) -> int:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), from ggml's exact ops: its own gelu
     reads an fp16 table on the CPU (1e-3 off torch's; llama.cpp takes that)."""
     cube = arena.op(ggml.ggml_mul(context, arena.op(ggml.ggml_mul(context, x, x)), x))

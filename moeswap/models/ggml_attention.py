@@ -1,0 +1,253 @@
+"""A layer's attention as one ggml graph: projections, q/k norms, RoPE, the KV cache write,
+scores, softmax, values and the output projection, as llama.cpp builds them.
+
+The torch code of ``moeswap.models.blocks.Attention`` makes a dozen torch calls and four ggml
+graphs per layer and token; this makes one graph per piece of at most ``PIECE_TOKENS`` tokens
+of one sequence, built once per (piece length, attended slots) and kept with the cache's slots.
+The graph mirrors llama.cpp's attention without flash attention (llama-cpp-python's default):
+``rope_ext``; ``set_rows`` into the cache (values transposed, llama.cpp's v_trans); scores
+``mul_mat(k, q)`` over whole spans of ``SLOT_SPAN`` slots with a -inf mask for slots
+not visible from a query (unwritten, later, outside the window); ``soft_max_ext``;
+``mul_mat(v, probs)``. With an f16 cache ggml rounds q and the probabilities to f16 before each
+product, as llama.cpp does, where the torch reference emulates that rounding.
+
+What ggml is not asked to do here keeps the torch path (``supports`` says which): YaRN RoPE
+and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks (GPT-OSS), soft-capping without a scaled q, float (torch)
+families whose attention is another class (MLA, Llama 4, Gemma 4).
+
+Legend (ggml order, ne0 first): D model width, H query heads, K kv heads, E head size, C slots
+of the layer's cache, S attended slots (C or a multiple of SLOT_SPAN), T tokens of a piece.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, KVCache, Rope
+from moeswap.models.linear import QuantLinear, TorchLinear
+from moeswap.quant import CpuKernels
+from moeswap.quant.ggml_lib import InitParams
+from moeswap.quant.graph_arena import Arena
+
+PIECE_TOKENS = 32  # the most tokens a graph takes (scores are [S, T, H] floats)
+_F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
+_GGML_TYPES = {torch.float32: _F32, torch.float16: _F16}
+_ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
+
+
+def supports(attention: Attention) -> bool:
+    """Whether ``attention`` can run as an ``AttentionGraph`` (else it keeps its torch code)."""
+    w, s, rope = attention.w, attention.spec, attention.rope
+    return (type(attention) is Attention
+            and all(isinstance(p, (QuantLinear, TorchLinear)) for p in (w.wq, w.wk, w.wv, w.wo))
+            and w.sinks is None and not s.chunked and (not s.softcap or s.scale_q)
+            and type(rope) is Rope and rope.yarn is None and rope.mscale == 1.0)
+
+
+def attach(layers: list, kernels: CpuKernels) -> int:
+    """Give each layer's attention its graph where ``supports`` allows -> how many got one."""
+    count = 0
+    for layer in layers:
+        attention = getattr(layer, "attention", None)
+        if isinstance(attention, Attention) and supports(attention):
+            attention.graph = AttentionGraph(kernels, attention)
+            count += 1
+    return count
+
+
+@dataclass
+class _Graph:
+    graph: int
+    inputs: tuple[int, ...]  # scratch offsets of x, positions, key slots, value slots, mask
+    output: int
+
+
+class AttentionGraph:
+    """``Attention.__call__`` computed by ggml: x [N, D] (normed), batch -> [N, D]."""
+
+    def __init__(self, kernels: CpuKernels, attention: Attention):
+        self.kernels, self.ggml, self.attention = kernels, kernels.ggml, attention
+        w, s = attention.w, attention.spec
+        self.kv_width = s.n_head_kv * s.head_dim  # K*E
+        self.vectors: dict[str, int] = {}  # biases and norm weights as ggml F32 tensors
+        self._keep: list = []  # the bound vectors' memory
+        self.matrices = {name: self._matrix(linear, name) for name, linear in
+                         (("wq", w.wq), ("wk", w.wk), ("wv", w.wv), ("wo", w.wo))}
+        self.width, self.out_width = self.matrices["wq"].ne[0], self.matrices["wo"].ne[1]  # D, D
+        for name, vector in (("bq", w.wq.bias), ("bk", w.wk.bias), ("bv", w.wv.bias),
+                             ("bo", w.wo.bias), ("q_norm", w.q_norm), ("k_norm", w.k_norm)):
+            if vector is not None:
+                flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
+                bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), f"attention {name}")
+                self.vectors[name], self._keep = bound.tensor, [*self._keep, bound]
+        factors = attention.rope.freq_factors
+        if factors is not None:
+            flat = factors.detach().to(torch.float32).contiguous()
+            bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), "rope_freqs")
+            self.vectors["rope_freqs"], self._keep = bound.tensor, [*self._keep, bound]
+        # Graphs die with the slots they write (a grown or finished cache frees its graphs).
+        self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _matrix(self, linear: QuantLinear | TorchLinear, name: str):
+        """The projection's weight as a bound ggml tensor of ne (in, out): the quantized one,
+        or a float one (F32 GGUF tensors, mapped) bound as F32, not copied."""
+        if isinstance(linear, QuantLinear):
+            return linear.matrix.weight
+        rows = linear.weight.detach().to(torch.float32).contiguous()  # [out, in]
+        return self.kernels.bind(rows.numpy(), _F32, (rows.shape[1], rows.shape[0]),
+                                 f"attention {name}")
+
+    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """x [N, D] -> [N, D], each sequence against its own cache."""
+        x = x.detach().to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], self.out_width)  # [N, D]
+        s = self.attention.spec
+        for (start, end), cache in zip(batch.spans, batch.caches):
+            slots = cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
+                               (s.n_head_kv, s.head_dim))
+            for first in range(start, end, PIECE_TOKENS):
+                last = min(first + PIECE_TOKENS, end)
+                self._piece(x[first:last], out[first:last], cache, slots,
+                            cache.length + first - start, batch)
+        return out
+
+    def _piece(self, x: torch.Tensor, out: torch.Tensor, cache: KVCache, slots,
+               first: int, batch: Batch) -> None:
+        """x [T, D] at positions first..first+T-1 -> out [T, D]; writes their keys and values."""
+        n_new = x.shape[0]
+        at = slots.claim(first, n_new)
+        n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)  # S
+        s = self.attention.spec
+        # Every layer with this slot layout shares the masks and slot indices of this piece.
+        key = (id(cache), s.window, s.chunked, slots.capacity, slots.base, slots.frontier,
+               slots.filled, first, n_new)
+        if key not in batch.shared:
+            batch.shared[key] = _piece_inputs(slots, at, first, n_new, n_slots, s.window,
+                                              s.chunked, self.kv_width)
+        positions, key_slots, value_slots, mask = batch.shared[key]
+        graphs = self._graphs.setdefault(slots, {})
+        if (n_new, n_slots) not in graphs:
+            graphs[(n_new, n_slots)] = self._build(slots, n_new, n_slots)
+        graph = graphs[(n_new, n_slots)]
+        inputs = (x, positions, key_slots, value_slots, mask)
+        self.kernels.run(graph.graph, [(offset, t.data_ptr(), t.nbytes)
+                                       for offset, t in zip(graph.inputs, inputs)],
+                         (out.data_ptr(), out.nbytes), graph.output)
+
+    def _build(self, slots, n_new: int, n_slots: int) -> _Graph:
+        """The graph for T = n_new tokens attending over the first S = n_slots slots."""
+        ggml, a, s = self.ggml, self.attention, self.attention.spec
+        e, h, kv, t = s.head_dim, s.n_head, s.n_head_kv, n_new
+        n_tensors, n_nodes = 96, 96
+        size = (n_tensors * ggml.ggml_tensor_overhead()
+                + ggml.ggml_graph_overhead_custom(n_nodes, False))
+        context = ggml.ggml_init(InitParams(size, None, True))
+        cache_keys, cache_values = _bind_cache(ggml, context, slots)
+        weakref.finalize(slots, ggml.ggml_free, context)
+        arena = Arena(self.kernels, context)
+        x = arena.new(_F32, self.width, t)  # (D, T)
+        positions = arena.new(_I32, t)
+        key_slots = arena.new(_I64, t)
+        value_slots = arena.new(_I64, t * self.kv_width)
+        mask = arena.new(_F32, n_slots, t)  # (S, T)
+        vec = self.vectors
+
+        def project(name: str, bias: str) -> int:
+            y = arena.op(ggml.ggml_mul_mat(context, self.matrices[name].tensor, x))  # (O, T)
+            return arena.op(ggml.ggml_add(context, y, vec[bias])) if bias in vec else y
+
+        def norm(y: int, name: str) -> int:
+            normed = arena.op(ggml.ggml_rms_norm(context, y, s.eps))
+            return arena.op(ggml.ggml_mul(context, normed, vec[name]))
+
+        def rope(y: int) -> int:
+            r = a.rope
+            return arena.op(ggml.ggml_rope_ext(
+                context, y, positions, vec.get("rope_freqs"), r.n_rot,
+                _ROPE_NEOX if r.neox else 0, 0, r.base, 1.0 / r.scale, 0.0, 1.0, 32.0, 1.0))
+
+        q, k, v = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
+        whole = a.w.q_norm is not None and a.w.q_norm.shape[0] != e
+        if whole:  # OLMoE: over the whole projection
+            q, k = norm(q, "q_norm"), norm(k, "k_norm")
+        q = arena.view(ggml.ggml_reshape_3d(context, q, e, h, t))  # (E, H, T)
+        k = arena.view(ggml.ggml_reshape_3d(context, k, e, kv, t))  # (E, K, T)
+        if a.w.q_norm is not None and not whole:  # per head
+            q, k = norm(q, "q_norm"), norm(k, "k_norm")
+        q, k = rope(q), rope(k)
+        if s.scale_q:
+            q = arena.op(ggml.ggml_scale(context, q, s.scale))
+        # The new keys and values into their slots (keys (K*E, C) rows; values one number
+        # per row of the transposed (1, C*K*E) view, as llama.cpp writes v_trans).
+        k_rows = arena.view(ggml.ggml_reshape_2d(context, k, self.kv_width, t))
+        v_rows = arena.view(ggml.ggml_reshape_2d(context, v, 1, t * self.kv_width))
+        writes = [ggml.ggml_set_rows(context, cache_keys, k_rows, key_slots),
+                  ggml.ggml_set_rows(context, cache_values, v_rows, value_slots)]
+        for write in writes:
+            arena.view(write)  # its data is the cache itself
+        # Attention over the first S slots: scores (S, T, H), a kv head per H / K query heads.
+        size_of = 2 if slots.keys.dtype == torch.float16 else 4
+        keys = arena.view(ggml.ggml_view_3d(context, cache_keys, e, n_slots, kv,
+                                            self.kv_width * size_of, e * size_of, 0))
+        scores = arena.op(ggml.ggml_mul_mat(
+            context, keys, arena.view(ggml.ggml_permute(context, q, 0, 2, 1, 3))))
+        if s.softcap:  # llama.cpp's order: cap, then the softmax's scale
+            scores = arena.op(ggml.ggml_scale(context, scores, 1.0 / s.softcap))
+            scores = arena.op(ggml.ggml_tanh(context, scores))
+            scores = arena.op(ggml.ggml_scale(context, scores, s.softcap))
+        probs = arena.op(ggml.ggml_soft_max_ext(context, scores, mask,
+                                                1.0 if s.scale_q else s.scale, 0.0))
+        capacity = slots.capacity
+        values = arena.view(ggml.ggml_view_3d(context, cache_values, n_slots, e, kv,
+                                              capacity * size_of, e * capacity * size_of, 0))
+        heads = arena.op(ggml.ggml_mul_mat(context, values, probs))  # (E, T, H)
+        heads = arena.op(ggml.ggml_cont(context, arena.view(
+            ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
+        heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))
+        y = arena.op(ggml.ggml_mul_mat(context, self.matrices["wo"].tensor, heads))  # (D, T)
+        if "bo" in vec:
+            y = arena.op(ggml.ggml_add(context, y, vec["bo"]))
+        graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
+        for write in writes:  # first: the scores read the slots they fill
+            ggml.ggml_build_forward_expand(graph, write)
+        ggml.ggml_build_forward_expand(graph, y)
+        return _Graph(graph, tuple(arena.offsets[i] for i in
+                                   (x, positions, key_slots, value_slots, mask)), arena.offsets[y])
+
+
+def _bind_cache(ggml, context: int, slots) -> tuple[int, int]:
+    """ggml tensors over the slots' buffers: keys (K*E, C) and values (1, C*K*V)."""
+    kind = _GGML_TYPES[slots.keys.dtype]
+    keys = ggml.ggml_new_tensor_2d(context, kind, slots.keys[0].numel(), slots.capacity)
+    values = ggml.ggml_new_tensor_2d(context, kind, 1, slots.values.numel())
+    for tensor, data in ((keys, slots.keys), (values, slots.values)):
+        buffer = ggml.ggml_backend_cpu_buffer_from_ptr(data.data_ptr(), data.nbytes)
+        weakref.finalize(slots, ggml.ggml_backend_buffer_free, buffer)
+        if ggml.ggml_backend_tensor_alloc(buffer, tensor, ctypes.c_void_p(data.data_ptr())):
+            raise RuntimeError("ggml failed (KV cache tensor)")
+    return keys, values
+
+
+def _piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
+                  chunked: bool, kv_width: int) -> tuple[torch.Tensor, ...]:
+    """Positions [T] int32, key slots [T] and value slots [T*K*E] int64, mask [T, S] float32
+    (0 where query t sees slot j, -inf elsewhere) of a piece."""
+    q_pos = torch.arange(first, first + n_new)  # [T]
+    key_slots = (torch.arange(at.start, at.stop) if isinstance(at, slice) else at).long()  # [T]
+    # value (e, slot) sits at e * C + slot of the transposed buffer; rows in (T, K*E) order
+    value_slots = (torch.arange(kv_width)[None, :] * slots.capacity
+                   + key_slots[:, None]).reshape(-1)  # [T*K*E]
+    k_pos = slots.positions[:n_slots][None, :]  # [1, S]
+    qp = q_pos[:, None]  # [T, 1]
+    visible = (k_pos <= qp) & (torch.arange(n_slots) < slots.filled)[None, :]
+    if window and chunked:
+        visible &= k_pos >= qp // window * window
+    elif window:
+        visible &= qp - k_pos < window
+    mask = torch.zeros(n_new, n_slots).masked_fill_(~visible, float("-inf"))  # [T, S]
+    return q_pos.to(torch.int32), key_slots, value_slots, mask

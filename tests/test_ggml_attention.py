@@ -1,0 +1,117 @@
+"""Attention as one ggml graph per layer (moeswap.models.ggml_attention) against llama.cpp and
+against the torch reference (Attention's own code, load_model(ggml_attention=False)).
+
+The graph mirrors llama.cpp's attention without flash attention, slot spans padded as its n_kv
+is, so on Q8_0 files the logits equal llama.cpp's bit for bit with an f32 and an f16 cache (the
+torch reference parts from them by up to 9e-3 where an f16 rounding lands the other way and the
+tiny model amplifies it). A piece, a step and a whole forward give the same bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models
+from moeswap.gguf_tools.convert import convert
+from moeswap.models import load_model
+from moeswap.models.blocks import SLOT_SPAN
+
+PROMPT = torch.randint(0, tiny_models.VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+# Families whose attention runs as a graph, and one that keeps the torch path per reason.
+GRAPH_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "gemma3")
+TORCH_FAMILIES = {"deepseek2": "MLA", "gpt_oss": "sinks and YaRN", "gemma4": "keys as values"}
+
+
+@pytest.fixture(scope="module")
+def q8_files(tmp_path_factory):
+    """family -> its tiny model as a Q8_0 GGUF (made on first use)."""
+    made = {}
+
+    def file(family: str):
+        if family not in made:
+            folder = tmp_path_factory.mktemp(family)
+            tiny_models.save(family, folder / "hf")
+            made[family] = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+        return made[family]
+    return file
+
+
+def graphs(model) -> list[bool]:
+    return [getattr(layer, "attention", None) is not None
+            and getattr(layer.attention, "graph", None) is not None for layer in model.layers]
+
+
+def logits(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
+    return model.forward([ids], [cache if cache is not None else model.new_cache()])[0]
+
+
+@pytest.mark.parametrize("family", GRAPH_FAMILIES)
+def test_every_layer_gets_a_graph_and_steps_equal_the_whole_forward(q8_files, family):
+    model = load_model(q8_files(family), kv_type="f16")
+    assert all(graphs(model))
+    whole = logits(model, PROMPT)
+    cache = model.new_cache()
+    steps = torch.cat([logits(model, PROMPT[i:i + 1], cache) for i in range(len(PROMPT))])
+    assert torch.equal(steps, whole)  # also past Gemma 3's 4-position windows (a ring)
+    reference = load_model(q8_files(family), kv_type="f16", ggml_attention=False)
+    assert not any(graphs(reference))
+    assert tiny_models.relative_error(whole, logits(reference, PROMPT)) < 1.5e-2
+    assert torch.equal(whole.argmax(-1), logits(reference, PROMPT).argmax(-1))
+
+
+@pytest.mark.parametrize("family", sorted(TORCH_FAMILIES))
+def test_what_ggml_is_not_asked_keeps_the_torch_path(q8_files, family):
+    assert not any(graphs(load_model(q8_files(family)))), TORCH_FAMILIES[family]
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe",
+                                    "glm4moe"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_q8_0_logits_equal_llama_cpps_bit_for_bit(q8_files, family, kv_type):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    path = q8_files(family)
+    kind = {"f32": 0, "f16": 1}[kv_type]
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=kind,
+                          type_v=kind, flash_attn=False, n_threads=2, verbose=False)
+    llm.eval(PROMPT.tolist())
+    reference = np.array(llm.scores[:len(PROMPT)], dtype=np.float32)
+    assert np.array_equal(logits(load_model(path, kv_type=kv_type), PROMPT).numpy(), reference)
+
+
+@pytest.mark.llama_cpp
+def test_spans_of_slots_past_the_first(q8_files):
+    """A budgeted cache (context 600) attends over 256-slot spans: at 300 positions the graph
+    attends over two spans, as llama.cpp's n_kv, and the logits stay llama.cpp's bit for bit."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    ids = torch.randint(0, tiny_models.VOCAB, (300,), generator=torch.Generator().manual_seed(5))
+    path = q8_files("mixtral")
+    llm = llama_cpp.Llama(str(path), n_ctx=600, n_batch=64, logits_all=True, type_k=1,
+                          type_v=1, flash_attn=False, n_threads=2, verbose=False)
+    llm.eval(ids.tolist())
+    reference = np.array(llm.scores[256:300], dtype=np.float32)
+    model = load_model(path, kv_type="f16")
+    model.context, model.step_tokens = 600, 64
+    cache = model.new_cache()
+    out = torch.cat([logits(model, ids[start:start + 64], cache) for start in range(0, 300, 64)])
+    assert cache.length == 300 > SLOT_SPAN
+    assert np.array_equal(out[256:].numpy(), reference)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma3"])
+def test_a_truncated_cache_continues_as_a_fresh_one(q8_files, family):
+    """The server's prefix reuse: forget the last positions, feed others; masks hide the stale
+    slots, so the result equals a cache that never saw them."""
+    model = load_model(q8_files(family))
+    other = torch.randint(0, tiny_models.VOCAB, (10,), generator=torch.Generator().manual_seed(9))
+    cache = model.new_cache()
+    logits(model, PROMPT[:3], cache)
+    logits(model, torch.cat([PROMPT[3:6], other[:1]]), cache)
+    assert cache.can_truncate(6)
+    cache.truncate(6)
+    reused = logits(model, PROMPT[6:12], cache)
+    fresh = model.new_cache()
+    logits(model, PROMPT[:6], fresh)
+    assert torch.equal(reused, logits(model, PROMPT[6:12], fresh))
