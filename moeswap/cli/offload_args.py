@@ -14,8 +14,7 @@ from moeswap.experts.cost import MISS_MODES
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    from moeswap.experts.settings import LOWBIT_TYPES, PREDICTORS
-    from moeswap.planner.cold_reads import COLD_READS_MODES
+    from moeswap.experts.settings import COLD_READS_MODES, LOWBIT_TYPES, PREDICTORS
     from moeswap.routing.policy_specs import POLICY_HELP
 
     g = p.add_argument_group("expert offload (GGUF files)")
@@ -67,7 +66,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
 def bare_cold_reads_as_on(argv: list[str]) -> list[str]:
     """A bare ``--cold-reads`` as ``--cold-reads=on``: spelled as it was when the flag took no
     value (``run --cold-reads MODEL``), argparse would take the model for its value."""
-    from moeswap.planner.cold_reads import COLD_READS_MODES
+    from moeswap.experts.settings import COLD_READS_MODES
 
     spelled = []
     for i, arg in enumerate(argv):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PREDICTORS = ("off", "gate", "history", "both")  # --prefetch: moeswap.experts.prefetch
+COLD_READS_MODES = ("auto", "on", "off")  # --cold-reads (bare: on): moeswap.planner.cold_reads
 # --miss-lowbit: the types a low-bit copy can take (moeswap.experts.lowbit); ggml quantizes
 # each without an importance matrix.
 LOWBIT_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k",
