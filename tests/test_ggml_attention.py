@@ -1,5 +1,5 @@
 """Attention as one ggml graph per layer (moeswap.models.ggml_attention) against llama.cpp and
-against the torch reference (Attention's own code, load_model(ggml_attention=False)).
+against the torch reference (Attention's own code, load_model(graphs=False)).
 
 The graph mirrors llama.cpp's attention without flash attention, slot spans padded as its n_kv
 is, so on Q8_0 files the logits equal llama.cpp's bit for bit with an f32 and an f16 cache (the
@@ -39,8 +39,7 @@ def q8_files(tmp_path_factory):
 
 
 def graphs(model) -> list[bool]:
-    return [getattr(layer, "attention", None) is not None
-            and getattr(layer.attention, "graph", None) is not None for layer in model.layers]
+    return [getattr(layer, "graph", None) is not None for layer in model.layers]
 
 
 def logits(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
@@ -55,7 +54,7 @@ def test_every_layer_gets_a_graph_and_steps_equal_the_whole_forward(q8_files, fa
     cache = model.new_cache()
     steps = torch.cat([logits(model, PROMPT[i:i + 1], cache) for i in range(len(PROMPT))])
     assert torch.equal(steps, whole)  # also past Gemma 3's 4-position windows (a ring)
-    reference = load_model(q8_files(family), kv_type="f16", ggml_attention=False)
+    reference = load_model(q8_files(family), kv_type="f16", graphs=False)
     assert not any(graphs(reference))
     assert tiny_models.relative_error(whole, logits(reference, PROMPT)) < 1.5e-2
     assert torch.equal(whole.argmax(-1), logits(reference, PROMPT).argmax(-1))
@@ -115,3 +114,19 @@ def test_a_truncated_cache_continues_as_a_fresh_one(q8_files, family):
     fresh = model.new_cache()
     logits(model, PROMPT[:6], fresh)
     assert torch.equal(reused, logits(model, PROMPT[6:12], fresh))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2moe"])
+def test_dense_feed_forwards_run_as_one_graph(q8_files, family):
+    """Gemma 3's GeGLU FFN and Qwen2-MoE's shared expert: the graph (moeswap.models.ggml_ffn)
+    equals the torch path's three products and activation within a rounding."""
+    model = load_model(q8_files(family))
+    ffns = [getattr(layer.ffn, "shared", None) for layer in model.layers]
+    ffns = [layer.ffn for layer in model.layers] if family == "gemma3" else [s.ffn for s in ffns]
+    assert ffns and all(ffn.graph is not None for ffn in ffns)
+    x = torch.randn(40, model.config.n_embd, generator=torch.Generator().manual_seed(2))
+    for ffn in ffns:
+        graph, ffn.graph = ffn.graph, None
+        reference = ffn(x)
+        ffn.graph = graph
+        assert tiny_models.relative_error(ffn(x), reference) < 1e-5

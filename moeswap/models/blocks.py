@@ -31,6 +31,9 @@ SLOT_SPAN = 256
 # A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
 # (moeswap.models.linear): a torch weight, or ggml kernels on the stored quantized bytes.
 Linear = Callable[[torch.Tensor], torch.Tensor]
+# A pre-norm layer's attention, with its norms and residual, as one ggml graph
+# (moeswap.models.ggml_attention): x [N, D], batch -> (h [N, D], the FFN's input [N, D]).
+LayerGraph = Callable[[torch.Tensor, "Batch"], tuple[torch.Tensor, torch.Tensor]]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -290,14 +293,9 @@ class Attention:
 
     def __init__(self, layer: int, weights: AttentionWeights, spec: AttentionSpec, rope: Rope):
         self.layer, self.w, self.spec, self.rope = layer, weights, spec, rope
-        # The same attention as one ggml graph, where the loader could build one
-        # (moeswap.models.ggml_attention); this class's torch code is then its reference.
-        self.graph: Callable[[torch.Tensor, Batch], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
-        if self.graph is not None:
-            return self.graph(x, batch)
         w, s = self.w, self.spec
         q, k, v = w.wq(x), w.wk(x), w.wv(x)  # [N, H*E], [N, K*E], [N, K*E]
         if w.q_norm is not None and w.q_norm.shape[0] != s.head_dim:  # whole-projection norm
@@ -393,8 +391,12 @@ class DenseFFN:
     up: Linear  # [N, D] -> [N, F]
     down: Linear  # [N, F] -> [N, D]
     gelu: bool = False
+    # The same as one ggml graph (moeswap.models.ggml_ffn), where the loader could build one.
+    graph: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            return self.graph(x)
         g = self.gate(x)  # [N, F]
         g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
         return self.down(g * self.up(x))  # [N, D]

@@ -16,7 +16,7 @@ import torch
 
 from moeswap.formats.config import ModelConfig
 from moeswap.models.blocks import (Attention, AttentionSpec, AttentionWeights, Batch, DenseFFN,
-                                   KVCache, Linear, Rope, rms_norm)
+                                   KVCache, LayerGraph, Linear, Rope, rms_norm)
 from moeswap.models.moe import DecisionRecorder, ExpertRunner, MoEBlock, Router, SharedExpert
 from moeswap.quant.threads import torch_threads_for_step
 
@@ -33,10 +33,15 @@ class PreNormLayer:
     ffn: Callable[[torch.Tensor], torch.Tensor]
     eps: float
     residual_scale: float = 1.0
+    graph: LayerGraph | None = None  # the same up to the FFN's input, in ggml (the loader's)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        h = x + self.attention(rms_norm(x, self.attn_norm, self.eps), batch) * self.residual_scale
-        return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps)) * self.residual_scale
+        if self.graph is not None:
+            h, ffn_input = self.graph(x, batch)
+        else:
+            h = x + self.attention(rms_norm(x, self.attn_norm, self.eps), batch) * self.residual_scale
+            ffn_input = rms_norm(h, self.ffn_norm, self.eps)
+        return h + self.ffn(ffn_input) * self.residual_scale
 
 
 class CausalLM:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from moeswap.formats.config import ModelConfig
-from moeswap.models.blocks import Attention, Batch, DenseFFN, Rope, rms_norm
+from moeswap.models.blocks import Attention, Batch, DenseFFN, LayerGraph, Rope, rms_norm
 from moeswap.models.causal_lm import CausalLM, assemble, attention_spec, attention_weights, dense_ffn
 from moeswap.models.moe import DecisionRecorder
 
@@ -26,12 +26,16 @@ class SandwichLayer:
     ffn: DenseFFN
     post_ffn_norm: torch.Tensor
     eps: float
+    graph: LayerGraph | None = None  # the same up to the FFN's input, in ggml (the loader's)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        a = self.attention(rms_norm(x, self.attn_norm, self.eps), batch)
-        h = x + rms_norm(a, self.post_attn_norm, self.eps)
-        f = self.ffn(rms_norm(h, self.ffn_norm, self.eps))
-        return h + rms_norm(f, self.post_ffn_norm, self.eps)
+        if self.graph is not None:
+            h, ffn_input = self.graph(x, batch)
+        else:
+            a = self.attention(rms_norm(x, self.attn_norm, self.eps), batch)
+            h = x + rms_norm(a, self.post_attn_norm, self.eps)
+            ffn_input = rms_norm(h, self.ffn_norm, self.eps)
+        return h + rms_norm(self.ffn(ffn_input), self.post_ffn_norm, self.eps)
 
 
 def build(config: ModelConfig, source: Any, weights: Any, experts: Any,

@@ -1,5 +1,6 @@
-"""A layer's attention as one ggml graph: projections, q/k norms, RoPE, the KV cache write,
-scores, softmax, values and the output projection, as llama.cpp builds them.
+"""A layer's attention as one ggml graph: the input norm, projections, q/k norms, RoPE, the KV
+cache write, scores, softmax, values, the output projection, the residual and the FFN's norm,
+as llama.cpp builds them.
 
 The torch code of ``moeswap.models.blocks.Attention`` makes a dozen torch calls and four ggml
 graphs per layer and token; this makes one graph per piece of at most ``PIECE_TOKENS`` tokens
@@ -41,7 +42,7 @@ _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
 
 
 def supports(attention: Attention) -> bool:
-    """Whether ``attention`` can run as an ``AttentionGraph`` (else it keeps its torch code)."""
+    """Whether ``attention`` can run in a ``LayerGraph`` (else it keeps its torch code)."""
     w, s, rope = attention.w, attention.spec, attention.rope
     return (type(attention) is Attention
             and all(isinstance(p, (QuantLinear, TorchLinear)) for p in (w.wq, w.wk, w.wv, w.wo))
@@ -49,13 +50,29 @@ def supports(attention: Attention) -> bool:
             and type(rope) is Rope and rope.yarn is None and rope.mscale == 1.0)
 
 
+@dataclass
+class AroundAttention:
+    """A pre-norm layer's tensors around its attention: x -> h = x + post(attn(input(x))) * scale,
+    then next(h), the FFN's input (PreNormLayer; Gemma 3's SandwichLayer adds ``post``)."""
+
+    input_norm: torch.Tensor  # [D]
+    next_norm: torch.Tensor  # [D]
+    eps: float
+    post_norm: torch.Tensor | None = None  # [D]
+    residual_scale: float = 1.0
+
+
 def attach(layers: list, kernels: CpuKernels) -> int:
-    """Give each layer's attention its graph where ``supports`` allows -> how many got one."""
+    """Give each pre-norm layer whose attention ``supports`` allows its graph (``layer.graph``,
+    x -> (h, the FFN's input)) -> how many got one."""
     count = 0
     for layer in layers:
         attention = getattr(layer, "attention", None)
-        if isinstance(attention, Attention) and supports(attention):
-            attention.graph = AttentionGraph(kernels, attention)
+        if hasattr(layer, "graph") and isinstance(attention, Attention) and supports(attention):
+            around = AroundAttention(layer.attn_norm, layer.ffn_norm, layer.eps,
+                                     getattr(layer, "post_attn_norm", None),
+                                     getattr(layer, "residual_scale", 1.0))
+            layer.graph = LayerGraph(kernels, attention, around)
             count += 1
     return count
 
@@ -67,20 +84,24 @@ class _Graph:
     output: int
 
 
-class AttentionGraph:
-    """``Attention.__call__`` computed by ggml: x [N, D] (normed), batch -> [N, D]."""
+class LayerGraph:
+    """A layer's attention with the norms and residual around it, computed by ggml:
+    x [N, D], batch -> (h [N, D], the FFN's input [N, D])."""
 
-    def __init__(self, kernels: CpuKernels, attention: Attention):
+    def __init__(self, kernels: CpuKernels, attention: Attention, around: AroundAttention):
         self.kernels, self.ggml, self.attention = kernels, kernels.ggml, attention
+        self.residual_scale = around.residual_scale
         w, s = attention.w, attention.spec
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
         self.vectors: dict[str, int] = {}  # biases and norm weights as ggml F32 tensors
         self._keep: list = []  # the bound vectors' memory
         self.matrices = {name: self._matrix(linear, name) for name, linear in
                          (("wq", w.wq), ("wk", w.wk), ("wv", w.wv), ("wo", w.wo))}
-        self.width, self.out_width = self.matrices["wq"].ne[0], self.matrices["wo"].ne[1]  # D, D
+        self.width, self.eps = self.matrices["wq"].ne[0], around.eps  # D
         for name, vector in (("bq", w.wq.bias), ("bk", w.wk.bias), ("bv", w.wv.bias),
-                             ("bo", w.wo.bias), ("q_norm", w.q_norm), ("k_norm", w.k_norm)):
+                             ("bo", w.wo.bias), ("q_norm", w.q_norm), ("k_norm", w.k_norm),
+                             ("input_norm", around.input_norm), ("post_norm", around.post_norm),
+                             ("next_norm", around.next_norm)):
             if vector is not None:
                 flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
                 bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), f"attention {name}")
@@ -102,23 +123,24 @@ class AttentionGraph:
         return self.kernels.bind(rows.numpy(), _F32, (rows.shape[1], rows.shape[0]),
                                  f"attention {name}")
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """x [N, D] -> [N, D], each sequence against its own cache."""
+    def __call__(self, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> h [N, D], the FFN's input [N, D]; each sequence against its own cache."""
         x = x.detach().to(torch.float32).contiguous()
-        out = torch.empty(x.shape[0], self.out_width)  # [N, D]
+        out = torch.empty(2, x.shape[0], self.width)  # h, then the FFN's input
         s = self.attention.spec
         for (start, end), cache in zip(batch.spans, batch.caches):
             slots = cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
                                (s.n_head_kv, s.head_dim))
             for first in range(start, end, PIECE_TOKENS):
                 last = min(first + PIECE_TOKENS, end)
-                self._piece(x[first:last], out[first:last], cache, slots,
+                self._piece(x[first:last], out[:, first:last], cache, slots,
                             cache.length + first - start, batch)
-        return out
+        return out[0], out[1]
 
     def _piece(self, x: torch.Tensor, out: torch.Tensor, cache: KVCache, slots,
                first: int, batch: Batch) -> None:
-        """x [T, D] at positions first..first+T-1 -> out [T, D]; writes their keys and values."""
+        """x [T, D] at positions first..first+T-1 -> out [2, T, D] (a view into the step's
+        output: copied out through a contiguous buffer); writes their keys and values."""
         n_new = x.shape[0]
         at = slots.claim(first, n_new)
         n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)  # S
@@ -135,9 +157,12 @@ class AttentionGraph:
             graphs[(n_new, n_slots)] = self._build(slots, n_new, n_slots)
         graph = graphs[(n_new, n_slots)]
         inputs = (x, positions, key_slots, value_slots, mask)
+        result = out if out.is_contiguous() else torch.empty(out.shape)  # [2, T, D]
         self.kernels.run(graph.graph, [(offset, t.data_ptr(), t.nbytes)
                                        for offset, t in zip(graph.inputs, inputs)],
-                         (out.data_ptr(), out.nbytes), graph.output)
+                         (result.data_ptr(), result.nbytes), graph.output)
+        if result is not out:
+            out.copy_(result)
 
     def _build(self, slots, n_new: int, n_slots: int) -> _Graph:
         """The graph for T = n_new tokens attending over the first S = n_slots slots."""
@@ -157,13 +182,15 @@ class AttentionGraph:
         mask = arena.new(_F32, n_slots, t)  # (S, T)
         vec = self.vectors
 
-        def project(name: str, bias: str) -> int:
-            y = arena.op(ggml.ggml_mul_mat(context, self.matrices[name].tensor, x))  # (O, T)
-            return arena.op(ggml.ggml_add(context, y, vec[bias])) if bias in vec else y
-
-        def norm(y: int, name: str) -> int:
-            normed = arena.op(ggml.ggml_rms_norm(context, y, s.eps))
+        def norm(y: int, name: str, eps: float) -> int:
+            normed = arena.op(ggml.ggml_rms_norm(context, y, eps))
             return arena.op(ggml.ggml_mul(context, normed, vec[name]))
+
+        xn = norm(x, "input_norm", self.eps)  # (D, T)
+
+        def project(name: str, bias: str) -> int:
+            y = arena.op(ggml.ggml_mul_mat(context, self.matrices[name].tensor, xn))  # (O, T)
+            return arena.op(ggml.ggml_add(context, y, vec[bias])) if bias in vec else y
 
         def rope(y: int) -> int:
             r = a.rope
@@ -174,11 +201,11 @@ class AttentionGraph:
         q, k, v = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
         whole = a.w.q_norm is not None and a.w.q_norm.shape[0] != e
         if whole:  # OLMoE: over the whole projection
-            q, k = norm(q, "q_norm"), norm(k, "k_norm")
+            q, k = norm(q, "q_norm", s.eps), norm(k, "k_norm", s.eps)
         q = arena.view(ggml.ggml_reshape_3d(context, q, e, h, t))  # (E, H, T)
         k = arena.view(ggml.ggml_reshape_3d(context, k, e, kv, t))  # (E, K, T)
         if a.w.q_norm is not None and not whole:  # per head
-            q, k = norm(q, "q_norm"), norm(k, "k_norm")
+            q, k = norm(q, "q_norm", s.eps), norm(k, "k_norm", s.eps)
         q, k = rope(q), rope(k)
         if s.scale_q:
             q = arena.op(ggml.ggml_scale(context, q, s.scale))
@@ -212,12 +239,19 @@ class AttentionGraph:
         y = arena.op(ggml.ggml_mul_mat(context, self.matrices["wo"].tensor, heads))  # (D, T)
         if "bo" in vec:
             y = arena.op(ggml.ggml_add(context, y, vec["bo"]))
+        if "post_norm" in vec:
+            y = norm(y, "post_norm", self.eps)
+        if self.residual_scale != 1.0:
+            y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
+        h = arena.op(ggml.ggml_add(context, x, y))  # (D, T)
+        out = arena.op(ggml.ggml_concat(context, h, norm(h, "next_norm", self.eps), 2))  # (D, T, 2)
         graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
         for write in writes:  # first: the scores read the slots they fill
             ggml.ggml_build_forward_expand(graph, write)
-        ggml.ggml_build_forward_expand(graph, y)
+        ggml.ggml_build_forward_expand(graph, out)
         return _Graph(graph, tuple(arena.offsets[i] for i in
-                                   (x, positions, key_slots, value_slots, mask)), arena.offsets[y])
+                                   (x, positions, key_slots, value_slots, mask)),
+                      arena.offsets[out])
 
 
 def _bind_cache(ggml, context: int, slots) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from moeswap.formats.tensor_shapes import check_shapes
 from moeswap.formats.validation import refuse_invalid
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
-from moeswap.models.ggml_attention import attach as attach_graphs
+from moeswap.models import ggml_attention, ggml_ffn
 from moeswap.models.moe import DecisionRecorder, ExpertRunner
 from moeswap.models.quant_experts import ExpertLayout, FolderMxfp4Experts, QuantResidentExperts
 from moeswap.models.registry import family
@@ -43,7 +43,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
                recorder: DecisionRecorder | None = None, replay: Any = None,
                context_tokens: int = 0, step_tokens: int = 0, kv_type: str = "f32",
                validate: bool = True, repack: bool = False,
-               ggml_attention: bool = True) -> CausalLM:
+               graphs: bool = True) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
@@ -62,8 +62,9 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     (moeswap.quant.repack: a copy in RAM, products off the plain layout's in the last bits);
     False (the library's default; the command line's is True) keeps the plain layouts,
     --exact-tiers.
-    ggml_attention: attention of quantized GGUF layers as one ggml graph per layer
-    (moeswap.models.ggml_attention); False keeps the torch reference path.
+    graphs: a GGUF layer's attention with its norms (moeswap.models.ggml_attention) and its
+    dense feed-forwards (moeswap.models.ggml_ffn) as ggml graphs; False keeps the torch
+    reference path.
     Any other failure while building is one MoeswapError naming the file and the tensor last
     bound, never a traceback.
     """
@@ -71,7 +72,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     last = _LastTensor(verbose_log)
     try:
         return _load_model(path, last, threads, expert_runner, recorder, replay, context_tokens,
-                           step_tokens, kv_type, validate, repack, ggml_attention)
+                           step_tokens, kv_type, validate, repack, graphs)
     except MoeswapError:
         raise
     except Exception as e:  # a damaged file must end in one line, not a traceback
@@ -97,7 +98,7 @@ class _LastTensor:
 def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | None,
                 expert_runner: ExpertRunnerFactory | None, recorder: DecisionRecorder | None,
                 replay: Any, context_tokens: int, step_tokens: int, kv_type: str,
-                validate: bool, repack: bool, ggml_attention: bool) -> CausalLM:
+                validate: bool, repack: bool, graphs: bool) -> CausalLM:
     if kv_type not in _KV_DTYPES:
         raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(_KV_DTYPES)}")
     source: Any
@@ -140,8 +141,9 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
     if replay is not None:
         experts, recorder = replay.attach(config, str(path), experts, recorder)
     model = build(config, source, bound, experts, recorder)
-    if ggml_attention and kernels is not None:
-        attach_graphs(model.layers, kernels)
+    if graphs and kernels is not None:
+        ggml_attention.attach(model.layers, kernels)
+        ggml_ffn.attach(model.layers, kernels)
     model.context, model.step_tokens = context_tokens, step_tokens
     model.kv_dtype = _KV_DTYPES[kv_type]
     return model

@@ -74,6 +74,7 @@ _SIGNATURES = {
                                 ctypes.c_float, ctypes.c_float]),
     "ggml_soft_max_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_set_rows": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P]),
+    "ggml_concat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _INT]),
     # ggml's repacked CPU layouts (moeswap/quant/repack.py): the CPU backend's extra buffer types.
     "ggml_backend_cpu_reg": (_VOID_P, []),
     "ggml_backend_reg_get_proc_address": (_VOID_P, [_VOID_P, ctypes.c_char_p]),

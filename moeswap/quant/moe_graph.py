@@ -234,7 +234,7 @@ def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
         if glu.name == "silu":
             hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
         elif glu.name == "gelu":
-            hidden = arena.op(ggml.ggml_mul(context, _gelu_tanh(ggml, context, arena, gate), up))
+            hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate), up))
         else:
             hidden = arena.op(ggml.ggml_swiglu_oai(context, gate, up, glu.alpha, glu.limit))
         out = hidden  # (F, K, T)
@@ -256,7 +256,7 @@ def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
     return _Graph(graph, tuple(arena.offsets[tensor] for tensor in inputs), arena.offsets[out])
 
 
-def _gelu_tanh(ggml: GGML, context: int, arena: Arena, x: int) -> int:
+def gelu_tanh(ggml: GGML, context: int, arena: Arena, x: int) -> int:
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), from ggml's exact ops: its own gelu
     reads an fp16 table on the CPU (1e-3 off torch's; llama.cpp takes that)."""
     cube = arena.op(ggml.ggml_mul(context, arena.op(ggml.ggml_mul(context, x, x)), x))

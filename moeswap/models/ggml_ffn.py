@@ -1,0 +1,91 @@
+"""A dense gated feed-forward (``DenseFFN``: a dense layer, Gemma 3's FFN, a shared expert) as
+one ggml graph: gate and up products, the activation, their product and the down product.
+
+Where the torch path makes three ggml graphs and the activation and product in torch, this makes
+one graph per piece of at most ``MAX_TOKENS_PER_CALL`` tokens (the pieces ``QuantMatrix`` cuts),
+built once per piece length and kept. The activation is ggml's ``swiglu_split`` for SiLU and
+tanh GELU written in ggml's exact ops (moeswap.quant.moe_graph.gelu_tanh), as the expert graph
+computes them, so the products and activation agree with the torch path within a rounding.
+
+Legend (ggml order): D model width, F hidden width, T tokens of a piece.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from gguf import GGMLQuantizationType
+
+from moeswap.models.blocks import DenseFFN
+from moeswap.models.linear import QuantLinear
+from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
+from moeswap.quant.ggml_lib import InitParams
+from moeswap.quant.graph_arena import Arena
+from moeswap.quant.moe_graph import gelu_tanh
+
+_F32 = int(GGMLQuantizationType.F32)
+
+
+def attach(layers: list, kernels: CpuKernels) -> int:
+    """Give every quantized ``DenseFFN`` of the layers (the layer's FFN, or its MoE block's
+    shared expert) its graph -> how many got one."""
+    count = 0
+    for layer in layers:
+        ffn = getattr(layer, "ffn", None)
+        shared = getattr(ffn, "shared", None)
+        for dense in (ffn, getattr(shared, "ffn", None)):
+            if isinstance(dense, DenseFFN) and all(
+                    isinstance(p, QuantLinear) and p.bias is None
+                    for p in (dense.gate, dense.up, dense.down)):
+                dense.graph = DenseFfnGraph(kernels, dense)
+                count += 1
+    return count
+
+
+class DenseFfnGraph:
+    """``DenseFFN.__call__`` computed by ggml: x [N, D] -> [N, D]."""
+
+    def __init__(self, kernels: CpuKernels, ffn: DenseFFN):
+        self.kernels, self.ggml, self.gelu = kernels, kernels.ggml, ffn.gelu
+        self.gate, self.up, self.down = (p.matrix.weight for p in (ffn.gate, ffn.up, ffn.down))
+        self.width, self.out_width = self.gate.ne[0], self.down.ne[1]
+        self._graphs: dict[int, tuple[int, int, int]] = {}  # T -> graph, x offset, output offset
+        self._contexts: list[int] = []
+        weakref.finalize(self, _free_contexts, kernels.ggml, self._contexts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> [N, D]."""
+        x = x.detach().to(torch.float32).contiguous()
+        y = torch.empty(x.shape[0], self.out_width)  # [N, D]
+        for start in range(0, x.shape[0], MAX_TOKENS_PER_CALL):
+            piece, out = x[start:start + MAX_TOKENS_PER_CALL], y[start:start + MAX_TOKENS_PER_CALL]
+            if piece.shape[0] not in self._graphs:
+                self._graphs[piece.shape[0]] = self._build(piece.shape[0])
+            graph, x_offset, y_offset = self._graphs[piece.shape[0]]
+            self.kernels.run(graph, [(x_offset, piece.data_ptr(), piece.nbytes)],
+                             (out.data_ptr(), out.nbytes), y_offset)
+        return y
+
+    def _build(self, n_tokens: int) -> tuple[int, int, int]:
+        ggml = self.ggml
+        size = 32 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(32, False)
+        context = ggml.ggml_init(InitParams(size, None, True))
+        self._contexts.append(context)
+        arena = Arena(self.kernels, context)
+        x = arena.new(_F32, self.width, n_tokens)  # (D, T)
+        gate = arena.op(ggml.ggml_mul_mat(context, self.gate.tensor, x))  # (F, T)
+        up = arena.op(ggml.ggml_mul_mat(context, self.up.tensor, x))  # (F, T)
+        if self.gelu:
+            hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate), up))
+        else:
+            hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
+        y = arena.op(ggml.ggml_mul_mat(context, self.down.tensor, hidden))  # (D, T)
+        graph = ggml.ggml_new_graph_custom(context, 32, False)
+        ggml.ggml_build_forward_expand(graph, y)
+        return graph, arena.offsets[x], arena.offsets[y]
+
+
+def _free_contexts(ggml, contexts: list[int]) -> None:
+    for context in contexts:
+        ggml.ggml_free(context)
