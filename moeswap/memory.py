@@ -18,8 +18,9 @@ from moeswap.formats.config import ModelConfig
 STEP_TOKENS = 512  # default tokens per forward: llama.cpp's n_ubatch
 
 # Bytes per cached number of each KV cache type (--kv-type): the library's default f32 keeps
-# the reference tests exact; the command line's f16 is llama.cpp's default and half the RAM.
-KV_TYPES = {"f32": 4, "f16": 2}
+# the reference tests exact; the command line's f16 is llama.cpp's default and half the RAM;
+# q8_0 is 34 bytes per block of 32 numbers (ggml attention graphs only: heads of 32k numbers).
+KV_TYPES = {"f32": 4, "f16": 2, "q8_0": 34 / 32}
 COMMAND_KV_TYPE = "f16"  # --kv-type's default (run, chat, serve, plan)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
@@ -52,8 +53,8 @@ def format_size(n_bytes: int) -> str:
     return str(n_bytes)
 
 
-def kv_type_bytes(kv_type: str) -> int:
-    """Bytes of one cached number of ``kv_type`` ('f32', 'f16')."""
+def kv_type_bytes(kv_type: str) -> float:
+    """Bytes of one cached number of ``kv_type`` ('f32', 'f16', 'q8_0': 1.0625)."""
     if kv_type not in KV_TYPES:
         raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(KV_TYPES)}")
     return KV_TYPES[kv_type]
@@ -63,7 +64,7 @@ def kv_bytes_per_token(config: ModelConfig, kv_type: str = "f32") -> int:
     """Bytes one position costs when every layer keeps it: keys and values of every layer
     (one latent for MLA; per layer type for Gemma 4) in ``kv_type``. Sliding-window layers
     keep only their window: ``kv_cache_bytes`` is what a cache holds."""
-    return kv_type_bytes(kv_type) * config.kv_floats_per_token
+    return math.ceil(kv_type_bytes(kv_type) * config.kv_floats_per_token)
 
 
 def held_positions(window: int, context: int, step_tokens: int = 0) -> int:
@@ -81,14 +82,15 @@ def kv_cache_bytes(config: ModelConfig, context: int, sequences: int = 1,
     context in one forward): each layer's ``held_positions``."""
     full, swa = config.kv_floats_per_token_by_kind
     held_swa = held_positions(config.sliding_window, context, step_tokens) if swa else 0
-    return kv_type_bytes(kv_type) * sequences * (full * context + swa * held_swa)
+    return math.ceil(kv_type_bytes(kv_type) * sequences * (full * context + swa * held_swa))
 
 
 def kv_widening_bytes(config: ModelConfig, context: int, kv_type: str) -> int:
     """Bytes a step holds to attend over a cache narrower than float32: one layer's kept keys
     and values of one sequence widened to float32 (moeswap.models.blocks.attend), at most
-    ``context`` positions of the widest layer; nothing for an f32 cache."""
-    if kv_type_bytes(kv_type) == 4:
+    ``context`` positions of the widest layer; nothing for an f32 cache, nor for a q8_0 one
+    (only ggml's flash attention reads it, a row at a time)."""
+    if kv_type_bytes(kv_type) != 2:
         return 0
     c = config
     if c.kv_lora_rank:  # MLA: the latent as keys, its first kv_lora_rank numbers as values

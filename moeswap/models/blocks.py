@@ -26,6 +26,11 @@ from moeswap.formats.rope_scaling import Yarn
 # llama.cpp pads its n_kv (moeswap.models.ggml_attention): an unbudgeted cache starts with one
 # span, so that a short sequence's dot products over slots have llama.cpp's length.
 SLOT_SPAN = 256
+# A KVCache of this dtype holds Q8_0 blocks (34 bytes per 32 numbers, --kv-type q8_0): keys and
+# values as rows of bytes, written and read by ggml's attention graphs alone (flash attention,
+# as llama.cpp needs for a quantized V), never by the torch path.
+KV_Q8_0 = torch.uint8
+Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
 
 
 # A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
@@ -65,7 +70,8 @@ class KVCache:
     one latent per token: keys [S, 1, kv_lora + rope] and zero-width values).
 
     Keys and values are stored as ``dtype`` (torch.float16 for ``--kv-type f16``); ``attend``
-    widens them back and rounds as ggml does against a cache of that type.
+    widens them back and rounds as ggml does against a cache of that type. ``KV_Q8_0`` (bytes
+    of Q8_0 blocks) is for ggml graphs only.
     """
 
     def __init__(self, windows: Sequence[int], context: int = 0, step_tokens: int = 0,
@@ -140,7 +146,9 @@ class KVCache:
 
 class _LayerSlots:
     """One layer's slots: keys [C, K, E], values stored transposed [K, V, C] (as llama.cpp's
-    v_trans, so a ggml product reads each value row contiguously), positions [C]. Position p
+    v_trans, so a ggml product reads each value row contiguously), positions [C]; of a Q8_0
+    cache, keys and values both as rows of blocks [C, K*E/32*34] bytes (a block is 32
+    numbers of a row, so values cannot be transposed: ggml's flash attention reads rows). Position p
     lives in slot (p - base) % C, so a step that is run again after a failure rewrites the same
     slots. Buffers start zeroed: a ggml graph attends over whole padded spans of slots, masking
     the unwritten ones, and a zero never turns a masked score into NaN."""
@@ -150,13 +158,22 @@ class _LayerSlots:
         """Room for ``capacity`` positions, holding positions first_kept..length-1 of ``old``."""
         self.capacity, self.base, self.end = capacity, first_kept, first_kept
         self.frontier = first_kept  # one past the latest position ever written (>= end)
-        self.keys = torch.zeros((capacity, *key_shape), dtype=dtype)  # [C, K, E]
-        self.values = torch.zeros((*value_shape, capacity), dtype=dtype)  # [K, V, C]
+        self.numbers_per_slot = math.prod(key_shape) + math.prod(value_shape)
+        self.rows = dtype == KV_Q8_0  # values as rows of Q8_0 blocks, not transposed
+        if self.rows:
+            self.keys = torch.zeros(capacity, _q8_0_bytes(key_shape), dtype=dtype)  # [C, bytes]
+            self.values = torch.zeros(capacity, _q8_0_bytes(value_shape), dtype=dtype)
+        else:
+            self.keys = torch.zeros((capacity, *key_shape), dtype=dtype)  # [C, K, E]
+            self.values = torch.zeros((*value_shape, capacity), dtype=dtype)  # [K, V, C]
         self.positions = torch.zeros(capacity, dtype=torch.long)
         if old is not None and length > first_kept:
             at, n = old.slots(first_kept, length), length - first_kept  # oldest first
             self.keys[:n] = old.keys[at]  # [n, K, E]
-            self.values[..., :n] = old.values[..., at]  # [K, V, n]
+            if self.rows:
+                self.values[:n] = old.values[at]  # [n, bytes]
+            else:
+                self.values[..., :n] = old.values[..., at]  # [K, V, n]
             self.positions[:n] = old.positions[at]  # [n]
             self.end = self.frontier = length
 
@@ -179,6 +196,8 @@ class _LayerSlots:
 
     def write(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
         """k [T, K, E], v [T, K, V] at positions first..first+T-1 (cast to the slots' type)."""
+        if self.rows:
+            raise RuntimeError("a Q8_0 KV cache is written by ggml attention graphs only")
         at = self.claim(first, k.shape[0])
         self.keys[at] = k.to(self.keys.dtype)
         self.values[..., at] = v.permute(1, 2, 0).to(self.values.dtype)  # [K, V, T]
@@ -197,7 +216,12 @@ class _LayerSlots:
         return self.keys[:n], self.values[..., :n].permute(2, 0, 1), self.positions[:n]
 
     def n_floats(self) -> int:
-        return self.keys[:self.filled].numel() + self.values[..., :self.filled].numel()
+        return self.filled * self.numbers_per_slot
+
+
+def _q8_0_bytes(shape: Sequence[int]) -> int:
+    """Bytes of one slot's numbers of ``shape`` as Q8_0 blocks (a multiple of 32 numbers)."""
+    return math.prod(shape) // Q8_0_BLOCK * Q8_0_BLOCK_BYTES
 
 
 @dataclass

@@ -10,7 +10,10 @@ The graph mirrors llama.cpp's attention without flash attention (llama-cpp-pytho
 ``mul_mat(k, q)`` over whole spans of ``SLOT_SPAN`` slots with a -inf mask for slots
 not visible from a query (unwritten, later, outside the window); ``soft_max_ext``;
 ``mul_mat(v, probs)``. With an f16 cache ggml rounds q and the probabilities to f16 before each
-product, as llama.cpp does, where the torch reference emulates that rounding.
+product, as llama.cpp does, where the torch reference emulates that rounding. A Q8_0 cache
+(``--kv-type q8_0``) keeps values as rows, not transposed (a Q8_0 block is 32 numbers of a
+row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash attention,
+the only way llama.cpp takes a quantized V; ``refuse_q8_0_cache`` says which models cannot.
 
 What ggml is not asked to do here keeps the torch path (``supports`` says which): YaRN RoPE
 and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks (GPT-OSS), soft-capping without a scaled q, float (torch)
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
+from moeswap.errors import MoeswapError
 from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, KVCache, Rope
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.quant import CpuKernels
@@ -37,7 +41,10 @@ from moeswap.quant.graph_arena import Arena
 
 PIECE_TOKENS = 32  # the most tokens a graph takes (scores are [S, T, H] floats)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
-_GGML_TYPES = {torch.float32: _F32, torch.float16: _F16}
+# KVCache's dtype -> its ggml type (torch.uint8: blocks.KV_Q8_0, bytes of Q8_0 blocks)
+_GGML_TYPES = {torch.float32: _F32, torch.float16: _F16,
+               torch.uint8: int(GGMLQuantizationType.Q8_0)}
+_PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
 
 
@@ -48,6 +55,36 @@ def supports(attention: Attention) -> bool:
             and all(isinstance(p, (QuantLinear, TorchLinear)) for p in (w.wq, w.wk, w.wv, w.wo))
             and w.sinks is None and not s.chunked and (not s.softcap or s.scale_q)
             and type(rope) is Rope and rope.yarn is None and rope.mscale == 1.0)
+
+
+def refuse_q8_0_cache(path, arch: str, layers: list) -> None:
+    """--kv-type q8_0 is read by the layer graphs' flash attention alone: refuse a model one
+    of whose layers keeps the torch attention, or whose heads are not whole Q8_0 blocks."""
+    for i, layer in enumerate(layers):
+        attention = getattr(layer, "attention", None)
+        if getattr(layer, "graph", None) is None:
+            raise MoeswapError(
+                f"{path}: --kv-type q8_0 is read only by ggml's attention graphs, and {arch}'s "
+                f"attention keeps the torch path (layer {i}: {_torch_path_reason(layer)}); "
+                f"use --kv-type f16")
+        if attention.spec.head_dim % 32:
+            raise MoeswapError(
+                f"{path}: --kv-type q8_0 stores each head's keys and values in blocks of 32 "
+                f"numbers, and {arch}'s heads have {attention.spec.head_dim}; "
+                f"use --kv-type f16")
+
+
+def _torch_path_reason(layer) -> str:
+    """Why ``layer`` has no graph, in a few words."""
+    attention = getattr(layer, "attention", None)
+    if type(attention) is not Attention:
+        return f"its attention is {type(attention).__name__}"
+    w, s, rope = attention.w, attention.spec, attention.rope
+    reasons = [(w.sinks is not None, "attention sinks"), (s.chunked, "chunked attention"),
+               (s.softcap and not s.scale_q, "soft-capping without a scaled q"),
+               (type(rope) is not Rope, f"{type(rope).__name__} RoPE"),
+               (type(rope) is Rope and rope.yarn is not None, "YaRN RoPE")]
+    return next((why for applies, why in reasons if applies), f"a {type(layer).__name__}")
 
 
 @dataclass
@@ -172,14 +209,14 @@ class LayerGraph:
         size = (n_tensors * ggml.ggml_tensor_overhead()
                 + ggml.ggml_graph_overhead_custom(n_nodes, False))
         context = ggml.ggml_init(InitParams(size, None, True))
-        cache_keys, cache_values = _bind_cache(ggml, context, slots)
+        cache_keys, cache_values = _bind_cache(ggml, context, slots, self.kv_width)
         weakref.finalize(slots, ggml.ggml_free, context)
         arena = Arena(self.kernels, context)
         x = arena.new(_F32, self.width, t)  # (D, T)
         positions = arena.new(_I32, t)
         key_slots = arena.new(_I64, t)
-        value_slots = arena.new(_I64, t * self.kv_width)
-        mask = arena.new(_F32, n_slots, t)  # (S, T)
+        value_slots = arena.new(_I64, t if slots.rows else t * self.kv_width)
+        mask = arena.new(_F16 if slots.rows else _F32, n_slots, t)  # (S, T)
         vec = self.vectors
 
         def norm(y: int, name: str, eps: float) -> int:
@@ -210,31 +247,39 @@ class LayerGraph:
         if s.scale_q:
             q = arena.op(ggml.ggml_scale(context, q, s.scale))
         # The new keys and values into their slots (keys (K*E, C) rows; values one number
-        # per row of the transposed (1, C*K*E) view, as llama.cpp writes v_trans).
+        # per row of the transposed (1, C*K*E) view, as llama.cpp writes v_trans, or (K*E, C)
+        # rows of a Q8_0 cache, which set_rows quantizes as llama.cpp's cpy_k and cpy_v do).
         k_rows = arena.view(ggml.ggml_reshape_2d(context, k, self.kv_width, t))
-        v_rows = arena.view(ggml.ggml_reshape_2d(context, v, 1, t * self.kv_width))
+        v_rows = arena.view(ggml.ggml_reshape_2d(context, v, *(
+            (self.kv_width, t) if slots.rows else (1, t * self.kv_width))))
         writes = [ggml.ggml_set_rows(context, cache_keys, k_rows, key_slots),
                   ggml.ggml_set_rows(context, cache_values, v_rows, value_slots)]
         for write in writes:
             arena.view(write)  # its data is the cache itself
-        # Attention over the first S slots: scores (S, T, H), a kv head per H / K query heads.
-        size_of = 2 if slots.keys.dtype == torch.float16 else 4
-        keys = arena.view(ggml.ggml_view_3d(context, cache_keys, e, n_slots, kv,
-                                            self.kv_width * size_of, e * size_of, 0))
-        scores = arena.op(ggml.ggml_mul_mat(
-            context, keys, arena.view(ggml.ggml_permute(context, q, 0, 2, 1, 3))))
-        if s.softcap:  # llama.cpp's order: cap, then the softmax's scale
-            scores = arena.op(ggml.ggml_scale(context, scores, 1.0 / s.softcap))
-            scores = arena.op(ggml.ggml_tanh(context, scores))
-            scores = arena.op(ggml.ggml_scale(context, scores, s.softcap))
-        probs = arena.op(ggml.ggml_soft_max_ext(context, scores, mask,
-                                                1.0 if s.scale_q else s.scale, 0.0))
-        capacity = slots.capacity
-        values = arena.view(ggml.ggml_view_3d(context, cache_values, n_slots, e, kv,
-                                              capacity * size_of, e * capacity * size_of, 0))
-        heads = arena.op(ggml.ggml_mul_mat(context, values, probs))  # (E, T, H)
-        heads = arena.op(ggml.ggml_cont(context, arena.view(
-            ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
+        # Attention over the first S slots, a kv head per H / K query heads.
+        row = slots.keys[0].nbytes  # of a slot's K*E keys
+        keys = arena.view(ggml.ggml_view_3d(context, cache_keys, e, n_slots, kv, row, row // kv, 0))
+        q_rows = arena.view(ggml.ggml_permute(context, q, 0, 2, 1, 3))  # (E, T, H)
+        scale = 1.0 if s.scale_q else s.scale
+        if slots.rows:  # llama.cpp's flash branch; it caps as scale, then cap*tanh(s/cap)
+            values = arena.view(ggml.ggml_view_3d(context, cache_values, e, n_slots, kv, row,
+                                                  row // kv, 0))  # (E, S, K)
+            heads = arena.op(ggml.ggml_flash_attn_ext(context, q_rows, keys, values, mask, scale,
+                                                      0.0, s.softcap))  # (E, H, T)
+            ggml.ggml_prec_set_acc(heads, _PREC_F32)
+        else:  # scores (S, T, H)
+            scores = arena.op(ggml.ggml_mul_mat(context, keys, q_rows))
+            if s.softcap:  # llama.cpp's order: cap, then the softmax's scale
+                scores = arena.op(ggml.ggml_scale(context, scores, 1.0 / s.softcap))
+                scores = arena.op(ggml.ggml_tanh(context, scores))
+                scores = arena.op(ggml.ggml_scale(context, scores, s.softcap))
+            probs = arena.op(ggml.ggml_soft_max_ext(context, scores, mask, scale, 0.0))
+            size_of, capacity = slots.keys.element_size(), slots.capacity
+            values = arena.view(ggml.ggml_view_3d(context, cache_values, n_slots, e, kv,
+                                                  capacity * size_of, e * capacity * size_of, 0))
+            heads = arena.op(ggml.ggml_mul_mat(context, values, probs))  # (E, T, H)
+            heads = arena.op(ggml.ggml_cont(context, arena.view(
+                ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
         heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))
         y = arena.op(ggml.ggml_mul_mat(context, self.matrices["wo"].tensor, heads))  # (D, T)
         if "bo" in vec:
@@ -254,11 +299,13 @@ class LayerGraph:
                       arena.offsets[out])
 
 
-def _bind_cache(ggml, context: int, slots) -> tuple[int, int]:
-    """ggml tensors over the slots' buffers: keys (K*E, C) and values (1, C*K*V)."""
+def _bind_cache(ggml, context: int, slots, kv_width: int) -> tuple[int, int]:
+    """ggml tensors over the slots' buffers: keys (K*E, C) and values (1, C*K*V), or values
+    (K*E, C) too in a Q8_0 cache."""
     kind = _GGML_TYPES[slots.keys.dtype]
-    keys = ggml.ggml_new_tensor_2d(context, kind, slots.keys[0].numel(), slots.capacity)
-    values = ggml.ggml_new_tensor_2d(context, kind, 1, slots.values.numel())
+    keys = ggml.ggml_new_tensor_2d(context, kind, kv_width, slots.capacity)
+    values = (ggml.ggml_new_tensor_2d(context, kind, kv_width, slots.capacity) if slots.rows
+              else ggml.ggml_new_tensor_2d(context, kind, 1, slots.values.numel()))
     for tensor, data in ((keys, slots.keys), (values, slots.values)):
         buffer = ggml.ggml_backend_cpu_buffer_from_ptr(data.data_ptr(), data.nbytes)
         weakref.finalize(slots, ggml.ggml_backend_buffer_free, buffer)
@@ -270,12 +317,13 @@ def _bind_cache(ggml, context: int, slots) -> tuple[int, int]:
 def _piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
                   chunked: bool, kv_width: int) -> tuple[torch.Tensor, ...]:
     """Positions [T] int32, key slots [T] and value slots [T*K*E] int64, mask [T, S] float32
-    (0 where query t sees slot j, -inf elsewhere) of a piece."""
+    (0 where query t sees slot j, -inf elsewhere) of a piece; of a Q8_0 cache, value slots
+    [T] (values as rows) and an f16 mask (flash attention's)."""
     q_pos = torch.arange(first, first + n_new)  # [T]
     key_slots = (torch.arange(at.start, at.stop) if isinstance(at, slice) else at).long()  # [T]
     # value (e, slot) sits at e * C + slot of the transposed buffer; rows in (T, K*E) order
-    value_slots = (torch.arange(kv_width)[None, :] * slots.capacity
-                   + key_slots[:, None]).reshape(-1)  # [T*K*E]
+    value_slots = key_slots if slots.rows else (torch.arange(kv_width)[None, :] * slots.capacity
+                                                + key_slots[:, None]).reshape(-1)  # [T*K*E]
     k_pos = slots.positions[:n_slots][None, :]  # [1, S]
     qp = q_pos[:, None]  # [T, 1]
     visible = (k_pos <= qp) & (torch.arange(n_slots) < slots.filled)[None, :]
@@ -284,4 +332,6 @@ def _piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
     elif window:
         visible &= qp - k_pos < window
     mask = torch.zeros(n_new, n_slots).masked_fill_(~visible, float("-inf"))  # [T, S]
+    if slots.rows:
+        mask = mask.half()
     return q_pos.to(torch.int32), key_slots, value_slots, mask

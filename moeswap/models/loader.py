@@ -21,6 +21,7 @@ from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.formats.tensor_shapes import check_shapes
 from moeswap.formats.validation import refuse_invalid
+from moeswap.models.blocks import KV_Q8_0
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
 from moeswap.models import ggml_attention, ggml_ffn
@@ -34,8 +35,9 @@ from moeswap.quant import CpuKernels
 # Builds the routed-expert runner of a GGUF model: (file, kernels, MoE layers, activation) -> runner.
 ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRunner]
 
-# --kv-type -> the torch type KVCache stores (the same names as moeswap.memory.KV_TYPES).
-_KV_DTYPES = {"f32": torch.float32, "f16": torch.float16}
+# --kv-type -> the torch type KVCache stores (the same names as moeswap.memory.KV_TYPES);
+# KV_Q8_0: bytes of Q8_0 blocks, for the ggml attention graphs.
+_KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8_0": KV_Q8_0}
 
 
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
@@ -55,7 +57,8 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     it, as a budget charged them (moeswap.memory.HostCharge): new KV caches are sized to them
     (0: caches grow as they fill).
     kv_type: of the KV caches' keys and values, 'f32' (the default: the reference tests compare
-    against transformers in float32) or 'f16' (the command line's default, as llama.cpp's).
+    against transformers in float32), 'f16' (the command line's default, as llama.cpp's) or
+    'q8_0' (GGUF families whose attention runs as ggml graphs, heads of 32k numbers).
     validate: refuse a GGUF file with an error moeswap doctor reports (formats.validation);
     False is --force.
     repack: dense quantized matrices in ggml's repacked CPU layouts where it has one
@@ -146,7 +149,17 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
         ggml_ffn.attach(model.layers, kernels)
     model.context, model.step_tokens = context_tokens, step_tokens
     model.kv_dtype = _KV_DTYPES[kv_type]
+    if kv_type == "q8_0":
+        _refuse_q8_0_cache(path, config.arch, model, graphs and kernels is not None)
     return model
+
+
+def _refuse_q8_0_cache(path: Path, arch: str, model: CausalLM, graphs: bool) -> None:
+    if not graphs:
+        without = "a Hugging Face folder" if path.is_dir() else "load_model(graphs=False)"
+        raise MoeswapError(f"{path}: --kv-type q8_0 is read only by ggml's attention graphs, "
+                           f"which {without} does not use; use --kv-type f16")
+    ggml_attention.refuse_q8_0_cache(path, arch, model.layers)
 
 
 def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], None],

@@ -74,6 +74,10 @@ _SIGNATURES = {
                                 ctypes.c_float, ctypes.c_float]),
     "ggml_soft_max_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_set_rows": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P]),
+    # A Q8_0 KV cache's attention (--kv-type q8_0), as llama.cpp's flash branch.
+    "ggml_flash_attn_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
+                                      ctypes.c_float, ctypes.c_float, ctypes.c_float]),
+    "ggml_prec_set_acc": (_BOOL, [_VOID_P, _INT]),
     "ggml_concat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _INT]),
     # ggml's repacked CPU layouts (moeswap/quant/repack.py): the CPU backend's extra buffer types.
     "ggml_backend_cpu_reg": (_VOID_P, []),

@@ -16,7 +16,8 @@ import torch
 from moeswap.memory import HostCharge
 from moeswap.server.batching import BatchOptions
 
-_KV_TYPE_NAMES = {torch.float32: "f32", torch.float16: "f16"}
+# the model's kv_dtype -> --kv-type (torch.uint8: Q8_0 blocks, moeswap.models.blocks.KV_Q8_0)
+_KV_TYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.uint8: "q8_0"}
 
 
 @lru_cache(maxsize=8)  # one server has one runtime; a test process makes a few
