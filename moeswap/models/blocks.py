@@ -36,9 +36,21 @@ Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
 # A linear layer as the model sees it: x [N, in] -> [N, out]. The loader picks the kind
 # (moeswap.models.linear): a torch weight, or ggml kernels on the stored quantized bytes.
 Linear = Callable[[torch.Tensor], torch.Tensor]
-# A pre-norm layer's attention, with its norms and residual, as one ggml graph
-# (moeswap.models.ggml_attention): x [N, D], batch -> (h [N, D], the FFN's input [N, D]).
-LayerGraph = Callable[[torch.Tensor, "Batch"], tuple[torch.Tensor, torch.Tensor]]
+# A pre-norm layer's attention, with its norms and residual (and routing, and experts), as one
+# ggml graph (moeswap.models.ggml_attention): x [N, D], batch -> LayerStep.
+LayerGraph = Callable[[torch.Tensor, "Batch"], "LayerStep"]
+
+
+@dataclass
+class LayerStep:
+    """What a layer graph gives for N tokens: h [N, D] and the FFN's input [N, D]; with routing
+    the experts' ids [N, K] and weights [N, K]; with the experts too, only ``out`` [N, D]."""
+
+    h: torch.Tensor | None = None
+    ffn_input: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    out: torch.Tensor | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -36,12 +36,15 @@ class PreNormLayer:
     graph: LayerGraph | None = None  # the same up to the FFN's input, in ggml (the loader's)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
-        if self.graph is not None:
-            h, ffn_input = self.graph(x, batch)
-        else:
+        if self.graph is None:
             h = x + self.attention(rms_norm(x, self.attn_norm, self.eps), batch) * self.residual_scale
-            ffn_input = rms_norm(h, self.ffn_norm, self.eps)
-        return h + self.ffn(ffn_input) * self.residual_scale
+            return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps)) * self.residual_scale
+        step = self.graph(x, batch)
+        if step.out is not None:  # the routed experts ran in the graph too
+            return step.out
+        f = (self.ffn(step.ffn_input) if step.ids is None
+             else self.ffn.routed(step.ffn_input, step.ids, step.weights))
+        return step.h + f * self.residual_scale
 
 
 class CausalLM:

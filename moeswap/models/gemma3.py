@@ -30,7 +30,8 @@ class SandwichLayer:
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.graph is not None:
-            h, ffn_input = self.graph(x, batch)
+            step = self.graph(x, batch)
+            h, ffn_input = step.h, step.ffn_input
         else:
             a = self.attention(rms_norm(x, self.attn_norm, self.eps), batch)
             h = x + rms_norm(a, self.post_attn_norm, self.eps)

@@ -33,11 +33,14 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
-from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, KVCache, Rope
+from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, KVCache, LayerStep, Rope
 from moeswap.models.linear import QuantLinear, TorchLinear
+from moeswap.models.moe import MoEBlock, Router
+from moeswap.models.quant_experts import QuantResidentExperts
 from moeswap.quant import CpuKernels
 from moeswap.quant.ggml_lib import InitParams
 from moeswap.quant.graph_arena import Arena
+from moeswap.quant.moe_graph import MoeFfn
 
 PIECE_TOKENS = 32  # the most tokens a graph takes (scores are [S, T, H] floats)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
@@ -46,6 +49,7 @@ _GGML_TYPES = {torch.float32: _F32, torch.float16: _F16,
                torch.uint8: int(GGMLQuantizationType.Q8_0)}
 _PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
+_SORT_DESCENDING = 1  # GGML_SORT_ORDER_DESC
 
 
 def supports(attention: Attention) -> bool:
@@ -97,18 +101,34 @@ class AroundAttention:
     eps: float
     post_norm: torch.Tensor | None = None  # [D]
     residual_scale: float = 1.0
+    router: Router | None = None  # routing in the graph too (``graph_routes``)
+    experts: MoeFfn | None = None  # and the routed experts, then the layer's whole output
+
+
+def graph_routes(router: Router) -> bool:
+    """Whether the graph routes as ``router`` does: llama.cpp's softmax, top-k, optional
+    renormalisation and scale (the other gatings keep the torch router)."""
+    return (router.gating == "softmax" and router.selection_bias is None
+            and router.groups[0] <= 1)
 
 
 def attach(layers: list, kernels: CpuKernels) -> int:
     """Give each pre-norm layer whose attention ``supports`` allows its graph (``layer.graph``,
-    x -> (h, the FFN's input)) -> how many got one."""
+    x -> ``LayerStep``) -> how many got one. A MoE layer with a plain softmax router routes in
+    the graph; one whose experts all lie in the mapped file (no shared expert, no recorder)
+    computes them there as well."""
     count = 0
     for layer in layers:
         attention = getattr(layer, "attention", None)
         if hasattr(layer, "graph") and isinstance(attention, Attention) and supports(attention):
+            moe = layer.ffn if isinstance(layer.ffn, MoEBlock) else None
+            router = moe.router if moe is not None and graph_routes(moe.router) else None
+            whole = (router is not None and moe.shared is None and moe.recorder is None
+                     and not moe.weight_input and isinstance(moe.experts, QuantResidentExperts))
             around = AroundAttention(layer.attn_norm, layer.ffn_norm, layer.eps,
                                      getattr(layer, "post_attn_norm", None),
-                                     getattr(layer, "residual_scale", 1.0))
+                                     getattr(layer, "residual_scale", 1.0), router,
+                                     moe.experts.fused(moe.layer) if whole else None)
             layer.graph = LayerGraph(kernels, attention, around)
             count += 1
     return count
@@ -118,7 +138,7 @@ def attach(layers: list, kernels: CpuKernels) -> int:
 class _Graph:
     graph: int
     inputs: tuple[int, ...]  # scratch offsets of x, positions, key slots, value slots, mask
-    output: int
+    outputs: dict[str, int]  # LayerStep field -> scratch offset
 
 
 class LayerGraph:
@@ -128,6 +148,8 @@ class LayerGraph:
     def __init__(self, kernels: CpuKernels, attention: Attention, around: AroundAttention):
         self.kernels, self.ggml, self.attention = kernels, kernels.ggml, attention
         self.residual_scale = around.residual_scale
+        self.router, self.experts = around.router, around.experts
+        self.top_k = around.router.top_k if around.router is not None else 0
         w, s = attention.w, attention.spec
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
         self.vectors: dict[str, int] = {}  # biases and norm weights as ggml F32 tensors
@@ -135,10 +157,15 @@ class LayerGraph:
         self.matrices = {name: self._matrix(linear, name) for name, linear in
                          (("wq", w.wq), ("wk", w.wk), ("wv", w.wv), ("wo", w.wo))}
         self.width, self.eps = self.matrices["wq"].ne[0], around.eps  # D
+        if self.router is not None:  # [X, D] float -> ne (D, X) F32
+            weight = self.router.weight.detach().to(torch.float32).contiguous()
+            self.router_weight = kernels.bind(weight.numpy(), _F32, tuple(weight.shape[::-1]),
+                                              "router")
         for name, vector in (("bq", w.wq.bias), ("bk", w.wk.bias), ("bv", w.wv.bias),
                              ("bo", w.wo.bias), ("q_norm", w.q_norm), ("k_norm", w.k_norm),
                              ("input_norm", around.input_norm), ("post_norm", around.post_norm),
-                             ("next_norm", around.next_norm)):
+                             ("next_norm", around.next_norm),
+                             ("router_bias", around.router.bias if around.router else None)):
             if vector is not None:
                 flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
                 bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), f"attention {name}")
@@ -160,24 +187,30 @@ class LayerGraph:
         return self.kernels.bind(rows.numpy(), _F32, (rows.shape[1], rows.shape[0]),
                                  f"attention {name}")
 
-    def __call__(self, x: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> h [N, D], the FFN's input [N, D]; each sequence against its own cache."""
+    def __call__(self, x: torch.Tensor, batch: Batch) -> LayerStep:
+        """x [N, D] -> the layer's ``LayerStep``; each sequence against its own cache."""
         x = x.detach().to(torch.float32).contiguous()
-        out = torch.empty(2, x.shape[0], self.width)  # h, then the FFN's input
+        n, k = x.shape[0], self.top_k
+        if self.experts is not None:
+            step = LayerStep(out=torch.empty(n, self.width))
+        else:
+            step = LayerStep(torch.empty(n, self.width), torch.empty(n, self.width))
+            if self.router is not None:
+                step.ids, step.weights = torch.empty(n, k, dtype=torch.int32), torch.empty(n, k)
         s = self.attention.spec
         for (start, end), cache in zip(batch.spans, batch.caches):
             slots = cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
                                (s.n_head_kv, s.head_dim))
             for first in range(start, end, PIECE_TOKENS):
                 last = min(first + PIECE_TOKENS, end)
-                self._piece(x[first:last], out[:, first:last], cache, slots,
+                self._piece(x[first:last], step, first, last, cache, slots,
                             cache.length + first - start, batch)
-        return out[0], out[1]
+        return step
 
-    def _piece(self, x: torch.Tensor, out: torch.Tensor, cache: KVCache, slots,
-               first: int, batch: Batch) -> None:
-        """x [T, D] at positions first..first+T-1 -> out [2, T, D] (a view into the step's
-        output: copied out through a contiguous buffer); writes their keys and values."""
+    def _piece(self, x: torch.Tensor, step: LayerStep, row: int, end: int, cache: KVCache,
+               slots, first: int, batch: Batch) -> None:
+        """x [T, D] at positions first..first+T-1 -> rows row..end of the step's outputs;
+        writes their keys and values."""
         n_new = x.shape[0]
         at = slots.claim(first, n_new)
         n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)  # S
@@ -194,18 +227,17 @@ class LayerGraph:
             graphs[(n_new, n_slots)] = self._build(slots, n_new, n_slots)
         graph = graphs[(n_new, n_slots)]
         inputs = (x, positions, key_slots, value_slots, mask)
-        result = out if out.is_contiguous() else torch.empty(out.shape)  # [2, T, D]
+        outputs = [(getattr(step, name)[row:end], offset) for name, offset in graph.outputs.items()]
         self.kernels.run(graph.graph, [(offset, t.data_ptr(), t.nbytes)
                                        for offset, t in zip(graph.inputs, inputs)],
-                         (result.data_ptr(), result.nbytes), graph.output)
-        if result is not out:
-            out.copy_(result)
+                         (outputs[0][0].data_ptr(), outputs[0][0].nbytes), outputs[0][1],
+                         [(t.data_ptr(), t.nbytes, offset) for t, offset in outputs[1:]])
 
     def _build(self, slots, n_new: int, n_slots: int) -> _Graph:
         """The graph for T = n_new tokens attending over the first S = n_slots slots."""
         ggml, a, s = self.ggml, self.attention, self.attention.spec
         e, h, kv, t = s.head_dim, s.n_head, s.n_head_kv, n_new
-        n_tensors, n_nodes = 96, 96
+        n_tensors = n_nodes = 160 + 8 * self.top_k
         size = (n_tensors * ggml.ggml_tensor_overhead()
                 + ggml.ggml_graph_overhead_custom(n_nodes, False))
         context = ggml.ggml_init(InitParams(size, None, True))
@@ -289,14 +321,51 @@ class LayerGraph:
         if self.residual_scale != 1.0:
             y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
         h = arena.op(ggml.ggml_add(context, x, y))  # (D, T)
-        out = arena.op(ggml.ggml_concat(context, h, norm(h, "next_norm", self.eps), 2))  # (D, T, 2)
+        ffn_input = norm(h, "next_norm", self.eps)  # (D, T)
+        outputs = {"h": h, "ffn_input": ffn_input}
+        if self.router is not None:
+            ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
+            outputs.update(ids=ids, weights=weights)
+            if self.experts is not None:
+                rows = arena.view(ggml.ggml_reshape_3d(context, ffn_input, self.width, 1, t))
+                y = self.experts.nodes(context, arena, "all", rows, ids, weights, t, self.top_k)
+                if self.residual_scale != 1.0:
+                    y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
+                outputs = {"out": arena.op(ggml.ggml_add(context, h, y))}  # (D, T)
         graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
         for write in writes:  # first: the scores read the slots they fill
             ggml.ggml_build_forward_expand(graph, write)
-        ggml.ggml_build_forward_expand(graph, out)
+        for tensor in outputs.values():
+            ggml.ggml_build_forward_expand(graph, tensor)
         return _Graph(graph, tuple(arena.offsets[i] for i in
                                    (x, positions, key_slots, value_slots, mask)),
-                      arena.offsets[out])
+                      {name: arena.offsets[tensor] for name, tensor in outputs.items()})
+
+    def _route(self, context: int, arena: Arena, x: int, n_tokens: int) -> tuple[int, int]:
+        """llama.cpp's build_moe_ffn routing of x (D, T): softmax over the router's logits,
+        the top k, their probabilities renormalised and scaled -> ids (K, T) I32, contiguous,
+        and weights (1, K, T)."""
+        ggml, k, t, r = self.ggml, self.top_k, n_tokens, self.router
+        logits = arena.op(ggml.ggml_mul_mat(context, self.router_weight.tensor, x))  # (X, T)
+        if "router_bias" in self.vectors:
+            logits = arena.op(ggml.ggml_add(context, logits, self.vectors["router_bias"]))
+        probs = arena.op(ggml.ggml_soft_max(context, logits))  # (X, T)
+        n_experts = self.router_weight.ne[1]
+        order = arena.op(ggml.ggml_argsort(context, probs, _SORT_DESCENDING))  # (X, T)
+        ids = arena.op(ggml.ggml_cont(context, arena.view(ggml.ggml_view_2d(
+            context, order, k, t, n_experts * 4, 0))))  # (K, T): ggml_argsort_top_k's first k
+        weights = arena.op(ggml.ggml_get_rows(context, arena.view(
+            ggml.ggml_reshape_3d(context, probs, 1, n_experts, t)), ids))  # (1, K, T)
+        if r.normalize:
+            flat = arena.view(ggml.ggml_reshape_2d(context, weights, k, t))
+            total = arena.op(ggml.ggml_clamp(context, arena.op(ggml.ggml_sum_rows(context, flat)),
+                                             6.103515625e-5, float("inf")))  # (1, T)
+            divided = arena.op(ggml.ggml_div(context, flat, total))  # (K, T)
+            weights = arena.view(ggml.ggml_reshape_3d(context, divided, 1, k, t))
+            arena.offsets[weights] = arena.offsets[divided]  # the same bytes, copied out
+        if r.scale != 1.0:
+            weights = arena.op(ggml.ggml_scale(context, weights, r.scale))
+        return ids, weights
 
 
 def _bind_cache(ggml, context: int, slots, kv_width: int) -> tuple[int, int]:

@@ -155,7 +155,10 @@ class MoEBlock:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
-        ids, weights = self.router(x)
+        return self.routed(x, *self.router(x))
+
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D] with the router's choice made (ids, weights [N, K]) -> [N, D]."""
         if self.recorder is not None:
             self.router.report(self.recorder, self.layer, x, ids, weights)
         if self.weight_input:  # one run per choice k: its input scaled by its own weight

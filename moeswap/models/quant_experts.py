@@ -240,6 +240,10 @@ class QuantResidentExperts:
         """x [N, D], expert_ids/weights [N, K] -> [N, D]."""
         return run_in_pieces(self._ffn[layer].run, x, expert_ids, weights)
 
+    def fused(self, layer: int) -> MoeFfn:
+        """The layer's fused feed-forward, for a layer graph to build into its own."""
+        return self._ffn[layer]
+
     def per_matrix(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
         """``run`` by the per-matrix path (``per_matrix_step``): the fused graph's reference."""

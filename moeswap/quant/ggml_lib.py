@@ -78,7 +78,12 @@ _SIGNATURES = {
     "ggml_flash_attn_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
                                       ctypes.c_float, ctypes.c_float, ctypes.c_float]),
     "ggml_prec_set_acc": (_BOOL, [_VOID_P, _INT]),
-    "ggml_concat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _INT]),
+    # Routing in the layer graph (llama.cpp's build_moe_ffn, softmax gating).
+    "ggml_soft_max": (_VOID_P, [_VOID_P, _VOID_P]),
+    "ggml_argsort": (_VOID_P, [_VOID_P, _VOID_P, _INT]),
+    "ggml_sum_rows": (_VOID_P, [_VOID_P, _VOID_P]),
+    "ggml_div": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
+    "ggml_clamp": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     # ggml's repacked CPU layouts (moeswap/quant/repack.py): the CPU backend's extra buffer types.
     "ggml_backend_cpu_reg": (_VOID_P, []),
     "ggml_backend_reg_get_proc_address": (_VOID_P, [_VOID_P, ctypes.c_char_p]),

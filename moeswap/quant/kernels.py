@@ -131,15 +131,18 @@ class CpuKernels:
             self._scratch_buffer, tensor, self.scratch_address + offset), "scratch tensor")
 
     def run(self, graph: int, inputs: list[tuple[int, int, int]], output: tuple[int, int],
-            output_offset: int = _OUTPUT_OFFSET):
+            output_offset: int = _OUTPUT_OFFSET, more: list[tuple[int, int, int]] = ()):
         """Copy ``inputs`` (scratch offset, source address, bytes) in, compute, copy
-        ``output`` (destination address, bytes) out from ``output_offset``."""
+        ``output`` (destination address, bytes) out from ``output_offset``, and ``more``
+        outputs (destination address, bytes, scratch offset)."""
         with self._lock:
             for offset, source, n_bytes in inputs:
                 ctypes.memmove(self.scratch_address + offset, source, n_bytes)
             check_status(self.ggml.ggml_backend_graph_compute(self._backend, graph), "compute")
             destination, n_bytes = output
             ctypes.memmove(destination, self.scratch_address + output_offset, n_bytes)
+            for destination, n_bytes, offset in more:
+                ctypes.memmove(destination, self.scratch_address + offset, n_bytes)
 
 
 @dataclass

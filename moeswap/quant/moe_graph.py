@@ -180,6 +180,62 @@ class MoeFfn:
                          (y.data_ptr(), y.nbytes), graph.output)
         return y
 
+    def nodes(self, context: int, arena: Arena, stage: str, rows: int, ids: int,
+              weights: int | None, n_tokens: int, n_picked: int) -> int:
+        """The step's nodes in ``context`` for T = n_tokens, K = n_picked, on tensors rows
+        (D, 1, T), or (F, K, T) for "down"; ids (K, T) I32, contiguous; weights (1, K, T), None
+        for "hidden" -> the result: (D, T), or (F, K, T) for "hidden". A layer graph
+        (moeswap.models.ggml_attention) builds them on its own routing."""
+        ggml, stacks, t, k = self.kernels.ggml, self.stacks, n_tokens, n_picked
+        flat_ids = arena.view(ggml.ggml_view_1d(context, ids, k * t, 0))  # (K*T)
+
+        def product(kind: str, b: int) -> int:
+            """mul_mat_id with the kind's stack, plus its bias -> (O, K, T)."""
+            y = arena.op(ggml.ggml_mul_mat_id(context, stacks.matrices[kind], b, ids))
+            return with_vector(y, kind, ggml.ggml_add)
+
+        def with_vector(y: int, kind: str, combine) -> int:
+            """y (O, K, T) combined with each pick's row of the vector stack ``kind``, if any."""
+            if kind not in stacks.vectors:
+                return y
+            picked = arena.op(ggml.ggml_get_rows(context, stacks.vectors[kind], flat_ids))
+            picked = arena.view(ggml.ggml_reshape_3d(
+                context, picked, stacks.out_features[kind], k, t))  # (O, K, T)
+            return arena.op(combine(context, y, picked))
+
+        if stage == "down":
+            hidden = rows
+        else:
+            if "gate_up" in stacks.matrices:  # fused: gate rows first
+                both = product("gate_up", rows)  # (2F, K, T)
+                f = stacks.out_features["gate_up"] // 2
+                row, pick = 2 * f * 4, 2 * f * k * 4  # the fused rows' strides in bytes (f32)
+                gate = arena.view(ggml.ggml_view_3d(context, both, f, k, t, row, pick, 0))
+                up = arena.view(ggml.ggml_view_3d(context, both, f, k, t, row, pick, f * 4))
+            else:
+                gate, up = product("gate", rows), product("up", rows)  # (F, K, T) each
+            glu = self.glu
+            if glu.name == "silu":
+                hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
+            elif glu.name == "gelu":
+                hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate),
+                                                up))
+            else:
+                hidden = arena.op(ggml.ggml_swiglu_oai(context, gate, up, glu.alpha, glu.limit))
+            if stage == "hidden":
+                return hidden  # (F, K, T)
+        y = product("down", hidden)  # (D, K, T)
+        y = with_vector(y, "scale", ggml.ggml_mul)  # times the expert's output scale
+        out = y = arena.op(ggml.ggml_mul(context, y, weights))  # times the routing weight
+        d = self.width
+        if k > 1:  # the sum over picks, in pick order
+            views = [arena.view(ggml.ggml_view_2d(context, y, d, t, d * k * 4, i * d * 4))
+                     for i in range(k)]  # (D, T) each
+            out = views[0]
+            for other in views[1:]:
+                out = arena.op(ggml.ggml_add(context, out, other))  # (D, T)
+        return out
+
 
 @dataclass
 class _Graph:
@@ -191,7 +247,7 @@ class _Graph:
 def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
     """The graph of ``stage`` ("all", "hidden" or "down") for T = n_tokens, K = n_picked;
     shapes in ggml order (ne0 first)."""
-    ggml, stacks, t, k = ffn.kernels.ggml, ffn.stacks, n_tokens, n_picked
+    ggml, t, k = ffn.kernels.ggml, n_tokens, n_picked
     n_tensors, n_nodes = 40 + 3 * k, 64 + 4 * k
     size = n_tensors * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(n_nodes, False)
     context = ggml.ggml_init(InitParams(size, None, True))
@@ -200,59 +256,13 @@ def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
     if stage == "down":
         rows = arena.new(_F32, ffn.hidden_width, k, t)  # (F, K, T): one row per pick
     else:
-        rows = arena.new(_F32, stacks.in_features, 1, t)  # (D, 1, T): one row for all picks
+        rows = arena.new(_F32, ffn.stacks.in_features, 1, t)  # (D, 1, T): one row for all picks
     ids = arena.new(_I32, k, t)  # (K, T)
-    inputs = [rows, ids]
-    flat_ids = arena.view(ggml.ggml_view_1d(context, ids, k * t, 0))  # (K*T)
-
-    def product(kind: str, b: int) -> int:
-        """mul_mat_id with the kind's stack, plus its bias -> (O, K, T)."""
-        y = arena.op(ggml.ggml_mul_mat_id(context, stacks.matrices[kind], b, ids))
-        return with_vector(y, kind, ggml.ggml_add)
-
-    def with_vector(y: int, kind: str, combine) -> int:
-        """y (O, K, T) combined with each pick's row of the vector stack ``kind``, if any."""
-        if kind not in stacks.vectors:
-            return y
-        picked = arena.op(ggml.ggml_get_rows(context, stacks.vectors[kind], flat_ids))  # (O, K*T)
-        picked = arena.view(ggml.ggml_reshape_3d(
-            context, picked, stacks.out_features[kind], k, t))  # (O, K, T)
-        return arena.op(combine(context, y, picked))
-
-    if stage == "down":
-        hidden = rows
-    else:
-        if "gate_up" in stacks.matrices:  # fused: gate rows first
-            both = product("gate_up", rows)  # (2F, K, T)
-            f = stacks.out_features["gate_up"] // 2
-            row, pick = 2 * f * 4, 2 * f * k * 4  # the fused rows' strides in bytes (f32)
-            gate = arena.view(ggml.ggml_view_3d(context, both, f, k, t, row, pick, 0))
-            up = arena.view(ggml.ggml_view_3d(context, both, f, k, t, row, pick, f * 4))
-        else:
-            gate, up = product("gate", rows), product("up", rows)  # (F, K, T) each
-        glu = ffn.glu
-        if glu.name == "silu":
-            hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
-        elif glu.name == "gelu":
-            hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate), up))
-        else:
-            hidden = arena.op(ggml.ggml_swiglu_oai(context, gate, up, glu.alpha, glu.limit))
-        out = hidden  # (F, K, T)
-    if stage != "hidden":
-        weights = arena.new(_F32, 1, k, t)  # (1, K, T)
-        inputs.append(weights)
-        y = product("down", hidden)  # (D, K, T)
-        y = with_vector(y, "scale", ggml.ggml_mul)  # times the expert's output scale
-        out = y = arena.op(ggml.ggml_mul(context, y, weights))  # times the routing weight
-        d = ffn.width
-        if k > 1:  # the sum over picks, in pick order
-            views = [arena.view(ggml.ggml_view_2d(context, y, d, t, d * k * 4, i * d * 4))
-                     for i in range(k)]  # (D, T) each
-            out = views[0]
-            for other in views[1:]:
-                out = arena.op(ggml.ggml_add(context, out, other))  # (D, T)
+    weights = arena.new(_F32, 1, k, t) if stage != "hidden" else None  # (1, K, T)
+    out = ffn.nodes(context, arena, stage, rows, ids, weights, t, k)
     graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
     ggml.ggml_build_forward_expand(graph, out)
+    inputs = [rows, ids] if weights is None else [rows, ids, weights]
     return _Graph(graph, tuple(arena.offsets[tensor] for tensor in inputs), arena.offsets[out])
 
 
