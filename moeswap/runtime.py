@@ -129,8 +129,9 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     (moeswap.template_library.template_source reads a name or a file).
     context_tokens, step_tokens: what the store's budget charged each sequence for
     (moeswap.memory.HostCharge); caches are sized to it (0: they grow as they fill).
-    kv_type: of the KV caches, 'f32' (default; exact against float32 references) or 'f16'
-    (the command line's default, as llama.cpp's: half the RAM).
+    kv_type: of the KV caches, 'f32' (default; exact against float32 references), 'f16'
+    (the command line's default, as llama.cpp's: half the RAM) or 'q8_0' (17/32 of f16's; GGUF
+    families whose attention runs as ggml graphs, models.loader.load_model).
     force: load a GGUF file that moeswap doctor reports an error in (formats.validation); by
     default it is refused in one line before anything is built.
     repack: dense quantized matrices in ggml's repacked CPU layouts (models.loader.load_model;
