@@ -130,3 +130,29 @@ def test_dense_feed_forwards_run_as_one_graph(q8_files, family):
         reference = ffn(x)
         ffn.graph = graph
         assert tiny_models.relative_error(ffn(x), reference) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gemma3", "qwen2moe"])
+def test_several_sequences_in_one_graph_equal_each_alone(q8_files, family):
+    """Decode steps of several sequences run as one graph per layer (projections and routing
+    batched, each sequence attending its own cache); each sequence's logits equal its own
+    run's bit for bit, also when the batch's members change and when one feeds a long piece."""
+    model = load_model(q8_files(family))
+    prompts = [torch.randint(0, tiny_models.VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (7, 11, 5)]
+    alone = []
+    for prompt in prompts:
+        cache = model.new_cache()
+        logits(model, prompt[:-2], cache)
+        alone.append([logits(model, prompt[-2:-1], cache), logits(model, prompt[-1:], cache)])
+    caches = [model.new_cache() for _ in prompts]
+    first = model.forward([p[:-2] for p in prompts], caches)  # pieces of 5, 9, 3 together
+    for prompt, cache, out in zip(prompts, caches, first):
+        assert torch.equal(out, logits(model, prompt[:-2]))
+    step = model.forward([p[-2:-1] for p in prompts], caches)
+    assert all(torch.equal(out, own[0]) for out, own in zip(step, alone))
+    step = model.forward([prompts[0][-1:], prompts[2][-1:]], [caches[0], caches[2]])
+    assert torch.equal(step[0], alone[0][1]) and torch.equal(step[1], alone[2][1])
+    long = torch.randint(0, tiny_models.VOCAB, (40,), generator=torch.Generator().manual_seed(4))
+    mixed = model.forward([prompts[1][-1:], long], [caches[1], model.new_cache()])
+    assert torch.equal(mixed[0], alone[1][1]) and torch.equal(mixed[1], logits(model, long))

@@ -16,8 +16,9 @@ row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash 
 the only way llama.cpp takes a quantized V; ``refuse_q8_0_cache`` says which models cannot.
 
 What ggml is not asked to do here keeps the torch path (``supports`` says which): YaRN RoPE
-and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks (GPT-OSS), soft-capping without a scaled q, float (torch)
-families whose attention is another class (MLA, Llama 4, Gemma 4).
+and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks
+(GPT-OSS), soft-capping without a scaled q, families whose attention is another class (MLA,
+Llama 4, Gemma 4).
 
 Legend (ggml order, ne0 first): D model width, H query heads, K kv heads, E head size, C slots
 of the layer's cache, S attended slots (C or a multiple of SLOT_SPAN), T tokens of a piece.
@@ -43,6 +44,7 @@ from moeswap.quant.graph_arena import Arena
 from moeswap.quant.moe_graph import MoeFfn
 
 PIECE_TOKENS = 32  # the most tokens a graph takes (scores are [S, T, H] floats)
+_BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compositions)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
 # KVCache's dtype -> its ggml type (torch.uint8: blocks.KV_Q8_0, bytes of Q8_0 blocks)
 _GGML_TYPES = {torch.float32: _F32, torch.float16: _F16,
@@ -177,6 +179,8 @@ class LayerGraph:
             self.vectors["rope_freqs"], self._keep = bound.tensor, [*self._keep, bound]
         # Graphs die with the slots they write (a grown or finished cache frees its graphs).
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._batch_graphs: dict = {}  # several sequences' pieces -> graph, their slots, context
+        weakref.finalize(self, _free_kept, kernels.ggml, self._batch_graphs)
 
     def _matrix(self, linear: QuantLinear | TorchLinear, name: str):
         """The projection's weight as a bound ggml tensor of ne (in, out): the quantized one,
@@ -188,77 +192,117 @@ class LayerGraph:
                                  f"attention {name}")
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> LayerStep:
-        """x [N, D] -> the layer's ``LayerStep``; each sequence against its own cache."""
+        """x [N, D] -> the layer's ``LayerStep``; each sequence against its own cache. One
+        sequence: a graph per piece, computing the routed experts too where it can. Several
+        sequences of at most PIECE_TOKENS new tokens each (decode steps): one graph for all,
+        their projections and routing batched, each attending its own cache, the experts then
+        computed once for all (each expert read once per step)."""
         x = x.detach().to(torch.float32).contiguous()
-        n, k = x.shape[0], self.top_k
-        if self.experts is not None:
-            step = LayerStep(out=torch.empty(n, self.width))
-        else:
-            step = LayerStep(torch.empty(n, self.width), torch.empty(n, self.width))
-            if self.router is not None:
-                step.ids, step.weights = torch.empty(n, k, dtype=torch.int32), torch.empty(n, k)
+        together = len(batch.spans) > 1 and all(e - s <= PIECE_TOKENS for s, e in batch.spans)
+        fused = self.experts is not None and len(batch.spans) == 1
+        step = self._outputs(x.shape[0], fused)
         s = self.attention.spec
-        for (start, end), cache in zip(batch.spans, batch.caches):
-            slots = cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
-                               (s.n_head_kv, s.head_dim))
+        rooms = [cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
+                            (s.n_head_kv, s.head_dim))
+                 for (start, end), cache in zip(batch.spans, batch.caches)]
+        if together:
+            pieces = [(cache, slots, start, end, cache.length)
+                      for (start, end), cache, slots in zip(batch.spans, batch.caches, rooms)]
+            self._run(x, step, 0, x.shape[0], pieces, batch, fused)
+            return step
+        for (start, end), cache, slots in zip(batch.spans, batch.caches, rooms):
             for first in range(start, end, PIECE_TOKENS):
                 last = min(first + PIECE_TOKENS, end)
-                self._piece(x[first:last], step, first, last, cache, slots,
-                            cache.length + first - start, batch)
+                self._run(x[first:last], step, first, last,
+                          [(cache, slots, 0, last - first, cache.length + first - start)],
+                          batch, fused)
         return step
 
-    def _piece(self, x: torch.Tensor, step: LayerStep, row: int, end: int, cache: KVCache,
-               slots, first: int, batch: Batch) -> None:
-        """x [T, D] at positions first..first+T-1 -> rows row..end of the step's outputs;
+    def _outputs(self, n: int, fused: bool) -> LayerStep:
+        if fused:
+            return LayerStep(out=torch.empty(n, self.width))
+        step = LayerStep(torch.empty(n, self.width), torch.empty(n, self.width))
+        if self.router is not None:
+            step.ids = torch.empty(n, self.top_k, dtype=torch.int32)
+            step.weights = torch.empty(n, self.top_k)
+        return step
+
+    def _run(self, x: torch.Tensor, step: LayerStep, row: int, end: int, pieces: list,
+             batch: Batch, fused: bool) -> None:
+        """x [T, D] -> rows row..end of the step's outputs, for pieces (cache, slots, their
+        rows start..stop of x, the position of the first) of one or several sequences;
         writes their keys and values."""
-        n_new = x.shape[0]
-        at = slots.claim(first, n_new)
-        n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)  # S
         s = self.attention.spec
-        # Every layer with this slot layout shares the masks and slot indices of this piece.
-        key = (id(cache), s.window, s.chunked, slots.capacity, slots.base, slots.frontier,
-               slots.filled, first, n_new)
-        if key not in batch.shared:
-            batch.shared[key] = _piece_inputs(slots, at, first, n_new, n_slots, s.window,
-                                              s.chunked, self.kv_width)
-        positions, key_slots, value_slots, mask = batch.shared[key]
-        graphs = self._graphs.setdefault(slots, {})
-        if (n_new, n_slots) not in graphs:
-            graphs[(n_new, n_slots)] = self._build(slots, n_new, n_slots)
-        graph = graphs[(n_new, n_slots)]
-        inputs = (x, positions, key_slots, value_slots, mask)
+        positions = torch.cat([torch.arange(first, first + stop - start)
+                               for _, _, start, stop, first in pieces]).to(torch.int32)  # [T]
+        inputs, shapes = [x, positions], []
+        for cache, slots, start, stop, first in pieces:
+            n_new = stop - start
+            at = slots.claim(first, n_new)
+            n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)
+            # Every layer with this slot layout shares the masks and slot indices of a piece.
+            key = (id(cache), s.window, s.chunked, slots.capacity, slots.base, slots.frontier,
+                   slots.filled, first, n_new)
+            if key not in batch.shared:
+                batch.shared[key] = _piece_inputs(slots, at, first, n_new, n_slots, s.window,
+                                                  s.chunked, self.kv_width)
+            inputs += batch.shared[key][1:]  # key slots, value slots, mask
+            shapes.append((slots, start, n_new, n_slots))
+        graph = self._graph(shapes, fused)
         outputs = [(getattr(step, name)[row:end], offset) for name, offset in graph.outputs.items()]
         self.kernels.run(graph.graph, [(offset, t.data_ptr(), t.nbytes)
                                        for offset, t in zip(graph.inputs, inputs)],
                          (outputs[0][0].data_ptr(), outputs[0][0].nbytes), outputs[0][1],
                          [(t.data_ptr(), t.nbytes, offset) for t, offset in outputs[1:]])
 
-    def _build(self, slots, n_new: int, n_slots: int) -> _Graph:
-        """The graph for T = n_new tokens attending over the first S = n_slots slots."""
+    def _graph(self, shapes: list, fused: bool) -> _Graph:
+        """The kept graph for these pieces (slots, first row, T, S), built on first use: a
+        one-sequence graph lives as long as its slots; a graph of several sequences is kept
+        while all of their slots live, the last few compositions only."""
+        if len(shapes) == 1:
+            slots, _, n_new, n_slots = shapes[0]
+            graphs = self._graphs.setdefault(slots, {})
+            if (n_new, n_slots, fused) not in graphs:
+                graph, context = self._build(shapes, fused)
+                weakref.finalize(slots, self.ggml.ggml_free, context)
+                graphs[(n_new, n_slots, fused)] = graph
+            return graphs[(n_new, n_slots, fused)]
+        key = tuple((id(slots), start, n_new, n_slots) for slots, start, n_new, n_slots in shapes)
+        kept = self._batch_graphs.pop(key, None)
+        if kept is None or any(ref() is not slots for ref, (slots, *_) in zip(kept[1], shapes)):
+            if kept is not None:
+                self.ggml.ggml_free(kept[2])
+            graph, context = self._build(shapes, fused)
+            kept = (graph, [weakref.ref(slots) for slots, *_ in shapes], context)
+        self._batch_graphs[key] = kept  # most recent last
+        while len(self._batch_graphs) > _BATCH_GRAPHS:
+            self.ggml.ggml_free(self._batch_graphs.pop(next(iter(self._batch_graphs)))[2])
+        return kept[0]
+
+    def _build(self, shapes: list, fused: bool) -> tuple[_Graph, int]:
+        """The graph for pieces (slots, first row, T_i, S_i): the projections, norms, RoPE
+        and routing over all N = sum T_i tokens, each piece attending the first S_i slots of
+        its own cache -> the graph and its context."""
         ggml, a, s = self.ggml, self.attention, self.attention.spec
-        e, h, kv, t = s.head_dim, s.n_head, s.n_head_kv, n_new
-        n_tensors = n_nodes = 160 + 8 * self.top_k
+        e, h, kv, n = s.head_dim, s.n_head, s.n_head_kv, sum(t for _, _, t, _ in shapes)
+        n_tensors = n_nodes = 160 + 8 * self.top_k + 48 * len(shapes)
         size = (n_tensors * ggml.ggml_tensor_overhead()
                 + ggml.ggml_graph_overhead_custom(n_nodes, False))
         context = ggml.ggml_init(InitParams(size, None, True))
-        cache_keys, cache_values = _bind_cache(ggml, context, slots, self.kv_width)
-        weakref.finalize(slots, ggml.ggml_free, context)
         arena = Arena(self.kernels, context)
-        x = arena.new(_F32, self.width, t)  # (D, T)
-        positions = arena.new(_I32, t)
-        key_slots = arena.new(_I64, t)
-        value_slots = arena.new(_I64, t if slots.rows else t * self.kv_width)
-        mask = arena.new(_F16 if slots.rows else _F32, n_slots, t)  # (S, T)
+        x = arena.new(_F32, self.width, n)  # (D, N)
+        positions = arena.new(_I32, n)
+        inputs = [x, positions]
         vec = self.vectors
 
         def norm(y: int, name: str, eps: float) -> int:
             normed = arena.op(ggml.ggml_rms_norm(context, y, eps))
             return arena.op(ggml.ggml_mul(context, normed, vec[name]))
 
-        xn = norm(x, "input_norm", self.eps)  # (D, T)
+        xn = norm(x, "input_norm", self.eps)  # (D, N)
 
         def project(name: str, bias: str) -> int:
-            y = arena.op(ggml.ggml_mul_mat(context, self.matrices[name].tensor, xn))  # (O, T)
+            y = arena.op(ggml.ggml_mul_mat(context, self.matrices[name].tensor, xn))  # (O, N)
             return arena.op(ggml.ggml_add(context, y, vec[bias])) if bias in vec else y
 
         def rope(y: int) -> int:
@@ -267,52 +311,69 @@ class LayerGraph:
                 context, y, positions, vec.get("rope_freqs"), r.n_rot,
                 _ROPE_NEOX if r.neox else 0, 0, r.base, 1.0 / r.scale, 0.0, 1.0, 32.0, 1.0))
 
-        q, k, v = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
+        q_all, k_all, v_all = project("wq", "bq"), project("wk", "bk"), project("wv", "bv")
         whole = a.w.q_norm is not None and a.w.q_norm.shape[0] != e
         if whole:  # OLMoE: over the whole projection
-            q, k = norm(q, "q_norm", s.eps), norm(k, "k_norm", s.eps)
-        q = arena.view(ggml.ggml_reshape_3d(context, q, e, h, t))  # (E, H, T)
-        k = arena.view(ggml.ggml_reshape_3d(context, k, e, kv, t))  # (E, K, T)
+            q_all, k_all = norm(q_all, "q_norm", s.eps), norm(k_all, "k_norm", s.eps)
+        q_all = arena.view(ggml.ggml_reshape_3d(context, q_all, e, h, n))  # (E, H, N)
+        k_all = arena.view(ggml.ggml_reshape_3d(context, k_all, e, kv, n))  # (E, K, N)
         if a.w.q_norm is not None and not whole:  # per head
-            q, k = norm(q, "q_norm", s.eps), norm(k, "k_norm", s.eps)
-        q, k = rope(q), rope(k)
+            q_all, k_all = norm(q_all, "q_norm", s.eps), norm(k_all, "k_norm", s.eps)
+        q_all, k_all = rope(q_all), rope(k_all)
         if s.scale_q:
-            q = arena.op(ggml.ggml_scale(context, q, s.scale))
-        # The new keys and values into their slots (keys (K*E, C) rows; values one number
-        # per row of the transposed (1, C*K*E) view, as llama.cpp writes v_trans, or (K*E, C)
-        # rows of a Q8_0 cache, which set_rows quantizes as llama.cpp's cpy_k and cpy_v do).
-        k_rows = arena.view(ggml.ggml_reshape_2d(context, k, self.kv_width, t))
-        v_rows = arena.view(ggml.ggml_reshape_2d(context, v, *(
-            (self.kv_width, t) if slots.rows else (1, t * self.kv_width))))
-        writes = [ggml.ggml_set_rows(context, cache_keys, k_rows, key_slots),
-                  ggml.ggml_set_rows(context, cache_values, v_rows, value_slots)]
-        for write in writes:
-            arena.view(write)  # its data is the cache itself
-        # Attention over the first S slots, a kv head per H / K query heads.
-        row = slots.keys[0].nbytes  # of a slot's K*E keys
-        keys = arena.view(ggml.ggml_view_3d(context, cache_keys, e, n_slots, kv, row, row // kv, 0))
-        q_rows = arena.view(ggml.ggml_permute(context, q, 0, 2, 1, 3))  # (E, T, H)
-        scale = 1.0 if s.scale_q else s.scale
-        if slots.rows:  # llama.cpp's flash branch; it caps as scale, then cap*tanh(s/cap)
-            values = arena.view(ggml.ggml_view_3d(context, cache_values, e, n_slots, kv, row,
-                                                  row // kv, 0))  # (E, S, K)
-            heads = arena.op(ggml.ggml_flash_attn_ext(context, q_rows, keys, values, mask, scale,
-                                                      0.0, s.softcap))  # (E, H, T)
-            ggml.ggml_prec_set_acc(heads, _PREC_F32)
-        else:  # scores (S, T, H)
-            scores = arena.op(ggml.ggml_mul_mat(context, keys, q_rows))
-            if s.softcap:  # llama.cpp's order: cap, then the softmax's scale
-                scores = arena.op(ggml.ggml_scale(context, scores, 1.0 / s.softcap))
-                scores = arena.op(ggml.ggml_tanh(context, scores))
-                scores = arena.op(ggml.ggml_scale(context, scores, s.softcap))
-            probs = arena.op(ggml.ggml_soft_max_ext(context, scores, mask, scale, 0.0))
-            size_of, capacity = slots.keys.element_size(), slots.capacity
-            values = arena.view(ggml.ggml_view_3d(context, cache_values, n_slots, e, kv,
-                                                  capacity * size_of, e * capacity * size_of, 0))
-            heads = arena.op(ggml.ggml_mul_mat(context, values, probs))  # (E, T, H)
-            heads = arena.op(ggml.ggml_cont(context, arena.view(
-                ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
-        heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))
+            q_all = arena.op(ggml.ggml_scale(context, q_all, s.scale))
+        writes, all_heads = [], None
+        for slots, start, t, n_slots in shapes:
+            cache_keys, cache_values = _bind_cache(ggml, context, slots, self.kv_width)
+            key_slots = arena.new(_I64, t)
+            value_slots = arena.new(_I64, t if slots.rows else t * self.kv_width)
+            mask = arena.new(_F16 if slots.rows else _F32, n_slots, t)  # (S, T)
+            inputs += [key_slots, value_slots, mask]
+            # This piece's columns of the batch: q (E, H, T), k and v (K*E, T) rows.
+            q = arena.view(ggml.ggml_view_3d(context, q_all, e, h, t, e * 4, e * h * 4,
+                                             start * e * h * 4))
+            k_rows = arena.view(ggml.ggml_view_2d(context, k_all, self.kv_width, t,
+                                                  self.kv_width * 4, start * self.kv_width * 4))
+            v_rows = arena.view(ggml.ggml_view_2d(context, v_all, *(
+                (self.kv_width, t, self.kv_width * 4) if slots.rows
+                else (1, t * self.kv_width, 4)), start * self.kv_width * 4))
+            # The new keys and values into their slots (keys (K*E, C) rows; values one number
+            # per row of the transposed (1, C*K*E) view, as llama.cpp writes v_trans, or
+            # (K*E, C) rows of a Q8_0 cache, which set_rows quantizes as llama.cpp's cpy_k and
+            # cpy_v do).
+            for write in (ggml.ggml_set_rows(context, cache_keys, k_rows, key_slots),
+                          ggml.ggml_set_rows(context, cache_values, v_rows, value_slots)):
+                writes.append(arena.view(write))  # its data is the cache itself
+            # Attention over the first S slots, a kv head per H / K query heads.
+            row = slots.keys[0].nbytes  # of a slot's K*E keys
+            keys = arena.view(ggml.ggml_view_3d(context, cache_keys, e, n_slots, kv, row,
+                                                row // kv, 0))
+            q_rows = arena.view(ggml.ggml_permute(context, q, 0, 2, 1, 3))  # (E, T, H)
+            scale = 1.0 if s.scale_q else s.scale
+            if slots.rows:  # llama.cpp's flash branch; it caps as scale, then cap*tanh(s/cap)
+                values = arena.view(ggml.ggml_view_3d(context, cache_values, e, n_slots, kv, row,
+                                                      row // kv, 0))  # (E, S, K)
+                heads = arena.op(ggml.ggml_flash_attn_ext(context, q_rows, keys, values, mask,
+                                                          scale, 0.0, s.softcap))  # (E, H, T)
+                ggml.ggml_prec_set_acc(heads, _PREC_F32)
+            else:  # scores (S, T, H)
+                scores = arena.op(ggml.ggml_mul_mat(context, keys, q_rows))
+                if s.softcap:  # llama.cpp's order: cap, then the softmax's scale
+                    scores = arena.op(ggml.ggml_scale(context, scores, 1.0 / s.softcap))
+                    scores = arena.op(ggml.ggml_tanh(context, scores))
+                    scores = arena.op(ggml.ggml_scale(context, scores, s.softcap))
+                probs = arena.op(ggml.ggml_soft_max_ext(context, scores, mask, scale, 0.0))
+                size_of, capacity = slots.keys.element_size(), slots.capacity
+                values = arena.view(ggml.ggml_view_3d(
+                    context, cache_values, n_slots, e, kv, capacity * size_of,
+                    e * capacity * size_of, 0))
+                heads = arena.op(ggml.ggml_mul_mat(context, values, probs))  # (E, T, H)
+                heads = arena.op(ggml.ggml_cont(context, arena.view(
+                    ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
+            heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))  # (E*H, T)
+            all_heads = heads if all_heads is None else arena.op(
+                ggml.ggml_concat(context, all_heads, heads, 1))  # (E*H, N so far)
+        heads, t = all_heads, n
         y = arena.op(ggml.ggml_mul_mat(context, self.matrices["wo"].tensor, heads))  # (D, T)
         if "bo" in vec:
             y = arena.op(ggml.ggml_add(context, y, vec["bo"]))
@@ -326,7 +387,7 @@ class LayerGraph:
         if self.router is not None:
             ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
             outputs.update(ids=ids, weights=weights)
-            if self.experts is not None:
+            if fused:
                 rows = arena.view(ggml.ggml_reshape_3d(context, ffn_input, self.width, 1, t))
                 y = self.experts.nodes(context, arena, "all", rows, ids, weights, t, self.top_k)
                 if self.residual_scale != 1.0:
@@ -337,9 +398,8 @@ class LayerGraph:
             ggml.ggml_build_forward_expand(graph, write)
         for tensor in outputs.values():
             ggml.ggml_build_forward_expand(graph, tensor)
-        return _Graph(graph, tuple(arena.offsets[i] for i in
-                                   (x, positions, key_slots, value_slots, mask)),
-                      {name: arena.offsets[tensor] for name, tensor in outputs.items()})
+        return _Graph(graph, tuple(arena.offsets[i] for i in inputs),
+                      {name: arena.offsets[tensor] for name, tensor in outputs.items()}), context
 
     def _route(self, context: int, arena: Arena, x: int, n_tokens: int) -> tuple[int, int]:
         """llama.cpp's build_moe_ffn routing of x (D, T): softmax over the router's logits,
@@ -404,3 +464,8 @@ def _piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
     if slots.rows:
         mask = mask.half()
     return q_pos.to(torch.int32), key_slots, value_slots, mask
+
+
+def _free_kept(ggml, kept: dict) -> None:
+    for _, _, context in kept.values():
+        ggml.ggml_free(context)
