@@ -112,7 +112,7 @@ def test_a_run_charges_and_prefills_as_run_and_serve_do(mixtral_q8, monkeypatch,
     result = moeswap_runner.run(spec)
     assert [len(tokens) for tokens in result["outputs"]] == [GEN] * len(prompts)
     assert charged == [HostCharge(context_tokens=n_ctx, sequences=3 if batched else 1,
-                                  step_tokens=chunk)]
+                                  step_tokens=chunk, kv_type="f16")]  # the commands' default
     assert max(max(step) for step in fed) == chunk and max(sum(step) for step in fed) <= chunk
     if not batched:  # warm-up: 16 tokens in two chunks and a step; then 20 in three
         assert fed == [[8], [8], [1], [8], [8], [4]] + [[1]] * (GEN - 1)

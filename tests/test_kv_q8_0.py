@@ -6,7 +6,7 @@ Q8_0 and flash_attn=True bit for bit, and token by token equals the whole forwar
 3's windows too). The cache holds exactly what is charged, 34 bytes per 32 numbers: 17/32 of
 f16's bytes, in `moeswap plan` too. Families whose attention keeps the torch path, Hugging
 Face folders and heads that are not whole blocks are refused at load with one line naming the
-fix; run, chat, serve and plan take the flag.
+fix; run, chat, serve, plan and bench take the flag (bench gives llama.cpp the same cache).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_heads_that_are_not_whole_blocks_are_refused(q8_files, capsys):
 
 
 @pytest.mark.parametrize("command", [["run", "M", "-p", "hi"], ["chat", "M"], ["serve", "M"],
-                                     ["plan", "M", "--ctx", "64"]])
+                                     ["plan", "M", "--ctx", "64"], ["bench", "M"]])
 def test_the_commands_take_kv_type_q8_0(command):
     assert build_parser().parse_args([*command, "--kv-type", "q8_0"]).kv_type == "q8_0"
 
@@ -152,3 +152,21 @@ def test_run_with_a_q8_0_cache(q8_files, capsys):
     assert main(["run", str(path), "-p", "hi", "-n", "3", "--temp", "0", "--kv-type", "q8_0",
                  "--ctx", "64"]) == 0
     assert capsys.readouterr().out
+
+
+@pytest.mark.llama_cpp
+def test_bench_runs_both_engines_with_a_q8_0_cache(tmp_path):
+    """The built-in model (heads of 32): moeswap resident and offloaded, and llama.cpp with a
+    Q8_0 cache and flash attention, decode the same 8 greedy tokens."""
+    pytest.importorskip("llama_cpp", reason="the llama.cpp side needs llama-cpp-python")
+    import moeswap
+    from moeswap.bench.llama_cpp_runner import kv_arguments
+
+    assert kv_arguments("q8_0") == {"type_k": Q8_0, "type_v": Q8_0, "flash_attn": True}
+    assert main(["bench", str(moeswap.DEFAULT_MODEL), "--size", "smoke", "--gen-tokens", "8",
+                 "--threads", "1", "-o", str(tmp_path), "--scenarios", "conflict",
+                 "--compare", "llama.cpp", "--kv-type", "q8_0"]) == 0
+    runs = json.loads((tmp_path / "report.json").read_text())["runs"]
+    assert len(runs) == 4 and all(r["status"] == "ok" for r in runs), runs
+    assert all(r["kv_type"] == "q8_0" for r in runs)
+    assert all(r["outputs"] == runs[-1]["outputs"] for r in runs)

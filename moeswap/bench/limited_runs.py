@@ -48,7 +48,8 @@ def _timed(session, prompt: list[int], gen_tokens: int, counters) -> dict:
 
 
 def moeswap_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
-                replay_routing: str | None = None, prefetch: str = "off") -> dict:
+                replay_routing: str | None = None, prefetch: str = "off",
+                kv_type: str = "f16") -> dict:
     """moeswap under the cgroup this worker is in: budgets from `--plan auto`'s planner."""
     from moeswap import runtime as engine
     from moeswap.bench.moeswap_runner import MoeswapSession
@@ -60,10 +61,10 @@ def moeswap_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
 
     context = len(prompt) + gen_tokens + 1
     auto = auto_plan(model, context, machine_memory(), plan_rates({}), step_tokens=len(prompt),
-                     kv_type="f16")
+                     kv_type=kv_type)
     settings = None if auto.host_bytes is None else OffloadSettings(
         host_bytes=auto.host_bytes, cold_reads=True, prefetch=prefetch)
-    charge = HostCharge.for_sequence(context, len(prompt), kv_type="f16")
+    charge = HostCharge.for_sequence(context, len(prompt), kv_type=kv_type)
     runtime = engine.load(model, threads=threads, replay_routing=replay_routing,
                           **load_options(settings, charge))
     stats = runtime.stats if settings is not None else dict
@@ -73,13 +74,14 @@ def moeswap_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
 
 
 def llama_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
-              mlock: bool = False) -> dict:
+              mlock: bool = False, kv_type: str = "f16") -> dict:
     """llama.cpp (llama-cpp-python) with the file mapped, locked in RAM with ``mlock``."""
     import llama_cpp
 
-    from moeswap.bench.llama_cpp_runner import LlamaSession
+    from moeswap.bench.llama_cpp_runner import LlamaSession, kv_arguments
 
     llm = llama_cpp.Llama(model, n_ctx=len(prompt) + gen_tokens + 1, n_batch=len(prompt),
                           n_ubatch=len(prompt), n_threads=threads, n_threads_batch=threads,
-                          use_mmap=True, use_mlock=mlock, verbose=False)
+                          use_mmap=True, use_mlock=mlock, verbose=False,
+                          **kv_arguments(kv_type))
     return _timed(LlamaSession(llm), prompt, gen_tokens, dict)

@@ -12,6 +12,15 @@ from moeswap.bench.memory import MemoryTrace
 from moeswap.bench.scenarios import RunSpec
 from moeswap.bench.timing import run_sequential, warm_up
 
+_GGML_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # --kv-type -> llama.cpp's type_k / type_v
+
+
+def kv_arguments(kv_type: str) -> dict:
+    """llama_cpp.Llama's cache type for ``kv_type``; a Q8_0 V cache needs flash attention
+    (llama.cpp refuses it without), which moeswap's q8_0 cache mirrors."""
+    kind = _GGML_KV_TYPES[kv_type]
+    return {"type_k": kind, "type_v": kind, "flash_attn": kv_type == "q8_0"}
+
 
 class LlamaSession:
     def __init__(self, llm):
@@ -35,7 +44,8 @@ def run(spec: RunSpec) -> dict:
     began = time.perf_counter()
     llm = llama_cpp.Llama(spec.model, n_ctx=spec.n_ctx, n_batch=spec.prefill_chunk,
                           n_ubatch=spec.prefill_chunk, n_threads=spec.threads,
-                          n_threads_batch=spec.threads, use_mmap=spec.llama_mmap, verbose=False)
+                          n_threads_batch=spec.threads, use_mmap=spec.llama_mmap, verbose=False,
+                          **kv_arguments(spec.kv_type))
     load_s = time.perf_counter() - began
     memory.sample("load")
     session = LlamaSession(llm)

@@ -73,9 +73,9 @@ def floor_row(result: dict, computed: int, rates) -> dict:
 def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], gen_tokens: int,
                compare: bool, replay: str | None, prefetch: str, out: Path,
                timeout_s: float, say=print, cgroup_root: Path = CGROUP_ROOT,
-               self_cgroup: Path = SELF_CGROUP) -> tuple[dict, str]:
-    """Every engine at every limit -> (the report's body, its markdown table); the cgroup
-    filesystem's paths are parameters for tests."""
+               self_cgroup: Path = SELF_CGROUP, kv_type: str = "f16") -> tuple[dict, str]:
+    """Every engine at every limit, both with a ``kv_type`` cache -> (the report's body, its
+    markdown table); the cgroup filesystem's paths are parameters for tests."""
     from moeswap.planner.rates import plan_rates
 
     planned = plan_rates({})
@@ -96,7 +96,7 @@ def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], g
             drop_from_page_cache(model)
             try:
                 kwargs = {"model": model, "threads": threads, "prompt": prompt,
-                          "gen_tokens": gen_tokens, **extra}
+                          "gen_tokens": gen_tokens, "kv_type": kv_type, **extra}
                 result = run_call(f"{RUNS}:{function}", kwargs, out, name.replace(" ", "_"),
                                   timeout_s, cgroup=cgroup)
                 result.update(cgroup.figures())

@@ -27,7 +27,7 @@ from pathlib import Path
 from moeswap.errors import MoeswapError
 from moeswap.experts.settings import OffloadSettings
 from moeswap.formats.config import ModelConfig
-from moeswap.memory import HostCharge
+from moeswap.memory import COMMAND_KV_TYPE, HostCharge
 
 SCENARIOS = ("long", "batch8", "conflict", "window-sweep", "resident-sweep")
 ENGINES = ("moeswap", "llama.cpp")
@@ -64,6 +64,7 @@ class RunSpec:
     replay_routing: str | None = None  # moeswap: a trace's routing replaces the router's
     prefill_chunk: int = PREFILL_CHUNK
     warm_page_cache: bool = True  # read the file once first; off: a cold-reads run starts cold
+    kv_type: str = COMMAND_KV_TYPE  # moeswap's --kv-type; llama.cpp's type_k and type_v
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "prompts"} | {
@@ -150,8 +151,9 @@ def store_charge(spec: RunSpec) -> HostCharge:
     from moeswap.server.budget import batch_charge
 
     if spec.batched:
-        return batch_charge(batch_options(spec))
-    return HostCharge.for_sequence(spec.n_ctx, min(spec.prefill_chunk, max(map(len, spec.prompts))))
+        return batch_charge(batch_options(spec), spec.kv_type)
+    return HostCharge.for_sequence(spec.n_ctx, min(spec.prefill_chunk, max(map(len, spec.prompts))),
+                                   spec.kv_type)
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class Plan:
     compare: tuple[str, ...] = ENGINES
     windows: tuple[int, ...] = (8, 32, 128)
     resident: tuple[int, ...] = (0, 4, 8, 16)
+    kv_type: str = COMMAND_KV_TYPE  # of every run's KV cache, both engines (--kv-type)
 
 
 def cut(ids: list[int], cap: int | None) -> list[int]:
@@ -196,7 +199,7 @@ def build_runs(plan: Plan, inputs: Inputs, encode, facts: ModelFacts) -> list[Ru
         prompts, n_ctx = inputs_of[scenario]
         base = RunSpec(scenario, "", "moeswap", plan.model, plan.threads, prompts,
                        s.gen_tokens, n_ctx, batched=scenario == "batch8",
-                       replay_routing=plan.replay_routing)
+                       replay_routing=plan.replay_routing, kv_type=plan.kv_type)
         runs += [r for r in scenario_runs(plan, base, facts, store_charge(base))
                  if r.engine in plan.compare]
     return runs

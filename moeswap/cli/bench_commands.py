@@ -12,7 +12,8 @@ from pathlib import Path
 from moeswap.bench.scenarios import SCENARIOS
 from moeswap.bench.suites import SUITES
 from moeswap.cli.common_args import add_model_argument, add_threads_argument
-from moeswap.cli.offload_args import add_offload_arguments, offload_settings
+from moeswap.cli.offload_args import (add_kv_type_argument, add_offload_arguments,
+                                       offload_settings)
 from moeswap.errors import MoeswapError
 
 INPUTS = Path(__file__).resolve().parents[1] / "bench" / "inputs"  # shipped as package data
@@ -47,6 +48,7 @@ def register(subparsers) -> None:
     p.add_argument("--timeout", type=float, default=900, metavar="S",
                    help="a run still going after S seconds is stopped and recorded (900)")
     add_offload_arguments(p)
+    add_kv_type_argument(p)
     p.add_argument("--memory-limit", metavar="SIZE[,SIZE...]",
                    help="instead of the scenarios: each engine's worker in a memory cgroup of "
                         "each SIZE (made under this process's cgroup, removed after), moeswap's "
@@ -116,7 +118,8 @@ def run_memory_limit_command(args) -> int:
     out = Path(args.output)
     body, text = run_limits(model, limits, args.threads, prompt, args.gen_tokens or 32,
                             bool(args.compare), args.replay_routing, args.prefetch, out,
-                            args.timeout, say=lambda line: print(line, file=sys.stderr))
+                            args.timeout, say=lambda line: print(line, file=sys.stderr),
+                            kv_type=args.kv_type)
     write_suite_report(out, "memory-limit", command_line(), body, text)
     print(text)
     return 0 if all(row["status"] == "ok" for row in body["rows"]) else 1
@@ -164,7 +167,7 @@ def run_bench_command(args) -> int:
                 offload=settings, host_mem=args.host_mem, replay_routing=args.replay_routing,
                 compare=ENGINES if args.compare else ("moeswap",),
                 windows=int_list(args.windows, "--windows"),
-                resident=int_list(args.resident, "--resident"))
+                resident=int_list(args.resident, "--resident"), kv_type=args.kv_type)
     out = Path(args.output)
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     report = run_bench(plan, Path(args.inputs), out, args.timeout, command_line(), console)
