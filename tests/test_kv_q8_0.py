@@ -3,8 +3,9 @@
 
 On Q8_0 files with heads of 32 numbers, the logits equal llama.cpp's run with type_k = type_v =
 Q8_0 and flash_attn=True bit for bit, and token by token equals the whole forward (past Gemma
-3's windows too). The cache holds exactly what is charged, 34 bytes per 32 numbers: 17/32 of
-f16's bytes, in `moeswap plan` too. Families whose attention keeps the torch path, Hugging
+3's windows too), and a cache that grows keeps its rows. The cache holds exactly what is
+charged, 34 bytes per 32 numbers: 17/32 of f16's bytes, in `moeswap plan` and the server's
+memory panel too. Families whose attention keeps the torch path, Hugging
 Face folders and heads that are not whole blocks are refused at load with one line naming the
 fix; run, chat, serve, plan and bench take the flag (bench gives llama.cpp the same cache).
 """
@@ -77,6 +78,17 @@ def test_token_by_token_equals_the_whole_forward(q8_files, family):
     assert (whole.argmax(-1) == f16.argmax(-1)).float().mean() > 0.9
 
 
+def test_a_grown_cache_keeps_its_rows(q8_files):
+    model = load_model(q8_files("qwen3moe"), kv_type="q8_0")
+    ids = torch.randint(0, tiny_models.VOCAB, (300,), generator=torch.Generator().manual_seed(4))
+    cache = model.new_cache()
+    first = logits(model, ids[:200], cache)  # 256 slots, then 512: the rows copied over
+    assert cache._layers[0].capacity == 256
+    chunked = torch.cat([first, logits(model, ids[200:], cache)])
+    assert cache._layers[0].capacity == 512
+    assert torch.equal(chunked, logits(model, ids))
+
+
 def test_the_cache_holds_what_is_charged_17_32_of_f16(q8_files):
     path = q8_files("gemma3", **HEADS_OF_32["gemma3"])  # full layers and sliding-window rings
     n_tokens, step = 40, 12
@@ -110,8 +122,21 @@ def test_plan_kv_line_for_q8_0_is_17_32_of_f16s(q8_files, capsys):
     assert q8["moeswap"]["command"][-2:] == ["--kv-type", "q8_0"]
 
 
+def test_the_server_memory_panel_names_and_charges_q8_0(q8_files):
+    from moeswap.runtime import load
+    from moeswap.server.batching import BatchOptions
+    from moeswap.server.memory_panel import memory_view
+
+    runtime = load(str(q8_files("qwen3moe")), threads=1, kv_type="q8_0")
+    view = memory_view(runtime, BatchOptions(max_batch=2, ctx=64, step_tokens=8))
+    assert view["kv_type"] == "q8_0"
+    assert view["kv_bytes"] == HostCharge.for_batch(64, 2, 8, "q8_0").kv_bytes(runtime.config)
+
+
 @pytest.mark.parametrize("family, why", [("gpt_oss", "attention sinks"),
-                                         ("deepseek2", "its attention is MLAttention")])
+                                         ("deepseek2", "its attention is MLAttention"),
+                                         ("llama4_scout", "its attention is Llama4Attention"),
+                                         ("gemma4", "its attention is Gemma4Attention")])
 def test_a_torch_path_family_is_refused(q8_files, family, why):
     path = q8_files(family)
     with pytest.raises(MoeswapError) as refused:
