@@ -156,3 +156,14 @@ def test_several_sequences_in_one_graph_equal_each_alone(q8_files, family):
     long = torch.randint(0, tiny_models.VOCAB, (40,), generator=torch.Generator().manual_seed(4))
     mixed = model.forward([prompts[1][-1:], long], [caches[1], model.new_cache()])
     assert torch.equal(mixed[0], alone[1][1]) and torch.equal(mixed[1], logits(model, long))
+
+
+def test_a_long_input_in_pieces_equals_it_fed_in_chunks(q8_files):
+    """600 tokens go through 512 + 88-token graphs; fed as 100-token forwards they go through
+    other pieces, and every logit is the same."""
+    model = load_model(q8_files("mixtral"))
+    ids = torch.randint(0, tiny_models.VOCAB, (600,), generator=torch.Generator().manual_seed(6))
+    whole = logits(model, ids)
+    cache = model.new_cache()
+    chunks = torch.cat([logits(model, ids[i:i + 100], cache) for i in range(0, 600, 100)])
+    assert torch.equal(whole, chunks)

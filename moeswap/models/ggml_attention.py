@@ -3,8 +3,9 @@ cache write, scores, softmax, values, the output projection, the residual and th
 as llama.cpp builds them.
 
 The torch code of ``moeswap.models.blocks.Attention`` makes a dozen torch calls and four ggml
-graphs per layer and token; this makes one graph per piece of at most ``PIECE_TOKENS`` tokens
-of one sequence, built once per (piece length, attended slots) and kept with the cache's slots.
+graphs per layer and token; this makes one graph per piece of a sequence (up to
+``MAX_PIECE_TOKENS`` tokens, fewer where its tensors would outgrow the scratch), built once
+per (piece length, attended slots) and kept with the cache's slots.
 The graph mirrors llama.cpp's attention without flash attention (llama-cpp-python's default):
 ``rope_ext``; ``set_rows`` into the cache (values transposed, llama.cpp's v_trans); scores
 ``mul_mat(k, q)`` over whole spans of ``SLOT_SPAN`` slots with a -inf mask for slots
@@ -43,7 +44,9 @@ from moeswap.quant.ggml_lib import InitParams
 from moeswap.quant.graph_arena import Arena
 from moeswap.quant.moe_graph import MoeFfn
 
-PIECE_TOKENS = 32  # the most tokens a graph takes (scores are [S, T, H] floats)
+PIECE_TOKENS = 32  # a piece of a long input is a multiple of this; several sequences: at most
+MAX_PIECE_TOKENS = 512  # the most tokens one graph takes (llama.cpp's default ubatch)
+GRAPH_BYTES = 160 << 20  # the most a piece's tensors may take of the scratch's 256 MiB
 _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compositions)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
 # KVCache's dtype -> its ggml type (torch.uint8: blocks.KV_Q8_0, bytes of Q8_0 blocks)
@@ -211,12 +214,27 @@ class LayerGraph:
             self._run(x, step, 0, x.shape[0], pieces, batch, fused)
             return step
         for (start, end), cache, slots in zip(batch.spans, batch.caches, rooms):
-            for first in range(start, end, PIECE_TOKENS):
-                last = min(first + PIECE_TOKENS, end)
+            piece = self._piece_tokens(slots)
+            for first in range(start, end, piece):
+                last = min(first + piece, end)
                 self._run(x[first:last], step, first, last,
                           [(cache, slots, 0, last - first, cache.length + first - start)],
                           batch, fused)
         return step
+
+    def _piece_tokens(self, slots) -> int:
+        """Tokens per graph for a sequence's long input: as many as keep the graph's float
+        tensors within GRAPH_BYTES (scores (S, T, H) with S at most the slots' capacity, the
+        experts' gate, up and activation (F, K, T), a few (D, T)), whole multiples of
+        PIECE_TOKENS, at most MAX_PIECE_TOKENS: fewer graphs, each weight read once a piece."""
+        s = self.attention.spec
+        hidden = self.experts.hidden_width * self.top_k if self.experts is not None else 0
+        per_token = 4 * (slots.capacity * s.n_head + 3 * hidden + 8 * self.width
+                         + 4 * s.n_head * s.head_dim)
+        fits = GRAPH_BYTES // per_token
+        if fits < PIECE_TOKENS:
+            return max(1, fits)
+        return min(MAX_PIECE_TOKENS, fits // PIECE_TOKENS * PIECE_TOKENS)
 
     def _outputs(self, n: int, fused: bool) -> LayerStep:
         if fused:
