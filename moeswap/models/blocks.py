@@ -201,7 +201,7 @@ class _LayerSlots:
         """Mark positions first..first+n_new-1 as written -> their slots; the caller writes
         their keys and values there."""
         at = self.slots(first, first + n_new)
-        self.positions[at] = torch.arange(first, first + n_new)
+        self.positions[at] = first if n_new == 1 else torch.arange(first, first + n_new)
         self.end = first + n_new
         self.frontier = max(self.frontier, self.end)
         return at

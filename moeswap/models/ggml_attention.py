@@ -200,7 +200,8 @@ class LayerGraph:
         sequences of at most PIECE_TOKENS new tokens each (decode steps): one graph for all,
         their projections and routing batched, each attending its own cache, the experts then
         computed once for all (each expert read once per step)."""
-        x = x.detach().to(torch.float32).contiguous()
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.to(torch.float32).contiguous()
         together = len(batch.spans) > 1 and all(e - s <= PIECE_TOKENS for s, e in batch.spans)
         fused = self.experts is not None and len(batch.spans) == 1
         step = self._outputs(x.shape[0], fused)
@@ -251,9 +252,11 @@ class LayerGraph:
         rows start..stop of x, the position of the first) of one or several sequences;
         writes their keys and values."""
         s = self.attention.spec
-        positions = torch.cat([torch.arange(first, first + stop - start)
-                               for _, _, start, stop, first in pieces]).to(torch.int32)  # [T]
-        inputs, shapes = [x, positions], []
+        spans = tuple((first, stop - start) for _, _, start, stop, first in pieces)
+        if spans not in batch.shared:  # every layer feeds the same positions
+            batch.shared[spans] = torch.cat([torch.arange(first, first + n)
+                                             for first, n in spans]).to(torch.int32)  # [T]
+        inputs, shapes = [x, batch.shared[spans]], []
         for cache, slots, start, stop, first in pieces:
             n_new = stop - start
             at = slots.claim(first, n_new)
