@@ -167,3 +167,18 @@ def test_a_long_input_in_pieces_equals_it_fed_in_chunks(q8_files):
     cache = model.new_cache()
     chunks = torch.cat([logits(model, ids[i:i + 100], cache) for i in range(0, 600, 100)])
     assert torch.equal(whole, chunks)
+
+
+def test_the_piece_for_a_large_cache_fits_the_scratch(q8_files):
+    """A cache charged for 65,536 positions: the piece length chosen for it keeps the graph
+    over the whole cache (scores, probabilities, mask, experts) inside the kernels' scratch:
+    building that graph places every tensor, and raises past the scratch."""
+    model = load_model(q8_files("mixtral"))
+    model.context, model.step_tokens = 65536, 512
+    spec = model.layers[0].attention.spec
+    slots = model.new_cache().room(0, 512, (spec.n_head_kv, spec.head_dim),
+                                   (spec.n_head_kv, spec.head_dim))
+    graph = model.layers[0].graph
+    n_tokens = graph._piece_tokens(slots)
+    assert 1 <= n_tokens < 512
+    graph._build([(slots, 0, n_tokens, slots.capacity)], fused=True)

@@ -225,12 +225,13 @@ class LayerGraph:
 
     def _piece_tokens(self, slots) -> int:
         """Tokens per graph for a sequence's long input: as many as keep the graph's float
-        tensors within GRAPH_BYTES (scores (S, T, H) with S at most the slots' capacity, the
-        experts' gate, up and activation (F, K, T), a few (D, T)), whole multiples of
-        PIECE_TOKENS, at most MAX_PIECE_TOKENS: fewer graphs, each weight read once a piece."""
+        tensors within GRAPH_BYTES (scores and probabilities (S, T, H) and the mask (S, T),
+        S at most the slots' capacity; the experts' gate, up and activation (F, K, T); a few
+        (D, T)), whole multiples of PIECE_TOKENS, at most MAX_PIECE_TOKENS: fewer graphs, each
+        weight read once a piece."""
         s = self.attention.spec
         hidden = self.experts.hidden_width * self.top_k if self.experts is not None else 0
-        per_token = 4 * (slots.capacity * s.n_head + 3 * hidden + 8 * self.width
+        per_token = 4 * (slots.capacity * (2 * s.n_head + 1) + 3 * hidden + 8 * self.width
                          + 4 * s.n_head * s.head_dim)
         fits = GRAPH_BYTES // per_token
         if fits < PIECE_TOKENS:
