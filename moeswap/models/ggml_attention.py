@@ -39,7 +39,7 @@ from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, KVCache, LayerSte
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
-from moeswap.quant import CpuKernels
+from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.ggml_lib import InitParams
 from moeswap.quant.graph_arena import Arena
 from moeswap.quant.moe_graph import MoeFfn
@@ -307,7 +307,9 @@ class LayerGraph:
         its own cache -> the graph and its context."""
         ggml, a, s = self.ggml, self.attention, self.attention.spec
         e, h, kv, n = s.head_dim, s.n_head, s.n_head_kv, sum(t for _, _, t, _ in shapes)
-        n_tensors = n_nodes = 160 + 8 * self.top_k + 48 * len(shapes)
+        groups = -(-n // MAX_TOKENS_PER_CALL) if fused else 0  # of the experts' nodes
+        n_tensors = n_nodes = (160 + 8 * self.top_k + 48 * len(shapes)
+                               + groups * (48 + 6 * self.top_k))
         size = (n_tensors * ggml.ggml_tensor_overhead()
                 + ggml.ggml_graph_overhead_custom(n_nodes, False))
         context = ggml.ggml_init(InitParams(size, None, True))
@@ -410,8 +412,7 @@ class LayerGraph:
             ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
             outputs.update(ids=ids, weights=weights)
             if fused:
-                rows = arena.view(ggml.ggml_reshape_3d(context, ffn_input, self.width, 1, t))
-                y = self.experts.nodes(context, arena, "all", rows, ids, weights, t, self.top_k)
+                y = self._experts(context, arena, ffn_input, ids, weights, t)
                 if self.residual_scale != 1.0:
                     y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
                 outputs = {"out": arena.op(ggml.ggml_add(context, h, y))}  # (D, T)
@@ -422,6 +423,22 @@ class LayerGraph:
             ggml.ggml_build_forward_expand(graph, tensor)
         return _Graph(graph, tuple(arena.offsets[i] for i in inputs),
                       {name: arena.offsets[tensor] for name, tensor in outputs.items()}), context
+
+    def _experts(self, context: int, arena: Arena, x: int, ids: int, weights: int,
+                 n_tokens: int) -> int:
+        """The routed experts on x (D, T) -> (D, T), in groups of MAX_TOKENS_PER_CALL tokens:
+        the groups the store and the resident runner compute (run_in_pieces), since a token's
+        product can depend on the others in its group (docs/KERNELS.md, K-quants)."""
+        ggml, d, k, parts = self.ggml, self.width, self.top_k, []
+        for start in range(0, n_tokens, MAX_TOKENS_PER_CALL):
+            t = min(MAX_TOKENS_PER_CALL, n_tokens - start)
+            rows = arena.view(ggml.ggml_view_3d(context, x, d, 1, t, d * 4, d * 4, start * d * 4))
+            picks = arena.view(ggml.ggml_view_2d(context, ids, k, t, k * 4, start * k * 4))
+            share = arena.view(ggml.ggml_view_3d(context, weights, 1, k, t, 4, k * 4,
+                                                 start * k * 4))
+            y = self.experts.nodes(context, arena, "all", rows, picks, share, t, k)  # (D, t)
+            parts.append(y if not parts else arena.op(ggml.ggml_concat(context, parts[-1], y, 1)))
+        return parts[-1]
 
     def _route(self, context: int, arena: Arena, x: int, n_tokens: int) -> tuple[int, int]:
         """llama.cpp's build_moe_ffn routing of x (D, T): softmax over the router's logits,
