@@ -1,6 +1,7 @@
-"""A layer's attention as one ggml graph: the input norm, projections, q/k norms, RoPE, the KV
-cache write, scores, softmax, values, the output projection, the residual and the FFN's norm,
-as llama.cpp builds them.
+"""A layer as one ggml graph: the input norm, projections, q/k norms, RoPE, the KV cache write,
+scores, softmax, values, the output projection, the residual and the FFN's norm, then the
+router and, where every expert lies in the mapped file, the routed experts, as llama.cpp builds
+them (docs/KERNELS.md, "One graph per layer").
 
 The torch code of ``moeswap.models.blocks.Attention`` makes a dozen torch calls and four ggml
 graphs per layer and token; this makes one graph per piece of a sequence (up to
@@ -14,12 +15,9 @@ not visible from a query (unwritten, later, outside the window); ``soft_max_ext`
 product, as llama.cpp does, where the torch reference emulates that rounding. A Q8_0 cache
 (``--kv-type q8_0``) keeps values as rows, not transposed (a Q8_0 block is 32 numbers of a
 row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash attention,
-the only way llama.cpp takes a quantized V; ``refuse_q8_0_cache`` says which models cannot.
+the only way llama.cpp takes a quantized V.
 
-What ggml is not asked to do here keeps the torch path (``supports`` says which): YaRN RoPE
-and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks
-(GPT-OSS), soft-capping without a scaled q, families whose attention is another class (MLA,
-Llama 4, Gemma 4).
+What ggml is not asked to do keeps the torch path (moeswap.models.graph_support says which).
 
 Legend (ggml order, ne0 first): D model width, H query heads, K kv heads, E head size, C slots
 of the layer's cache, S attended slots (C or a multiple of SLOT_SPAN), T tokens of a piece.
@@ -34,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from moeswap.errors import MoeswapError
-from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, KVCache, LayerStep, Rope
+from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, LayerStep
+from moeswap.models.graph_support import graph_routes, supports
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
@@ -57,45 +55,6 @@ _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
 _SORT_DESCENDING = 1  # GGML_SORT_ORDER_DESC
 
 
-def supports(attention: Attention) -> bool:
-    """Whether ``attention`` can run in a ``LayerGraph`` (else it keeps its torch code)."""
-    w, s, rope = attention.w, attention.spec, attention.rope
-    return (type(attention) is Attention
-            and all(isinstance(p, (QuantLinear, TorchLinear)) for p in (w.wq, w.wk, w.wv, w.wo))
-            and w.sinks is None and not s.chunked and (not s.softcap or s.scale_q)
-            and type(rope) is Rope and rope.yarn is None and rope.mscale == 1.0)
-
-
-def refuse_q8_0_cache(path, arch: str, layers: list) -> None:
-    """--kv-type q8_0 is read by the layer graphs' flash attention alone: refuse a model one
-    of whose layers keeps the torch attention, or whose heads are not whole Q8_0 blocks."""
-    for i, layer in enumerate(layers):
-        attention = getattr(layer, "attention", None)
-        if getattr(layer, "graph", None) is None:
-            raise MoeswapError(
-                f"{path}: --kv-type q8_0 is read only by ggml's attention graphs, and {arch}'s "
-                f"attention keeps the torch path (layer {i}: {_torch_path_reason(layer)}); "
-                f"use --kv-type f16")
-        if attention.spec.head_dim % 32:
-            raise MoeswapError(
-                f"{path}: --kv-type q8_0 stores each head's keys and values in blocks of 32 "
-                f"numbers, and {arch}'s heads have {attention.spec.head_dim}; "
-                f"use --kv-type f16")
-
-
-def _torch_path_reason(layer) -> str:
-    """Why ``layer`` has no graph, in a few words."""
-    attention = getattr(layer, "attention", None)
-    if type(attention) is not Attention:
-        return f"its attention is {type(attention).__name__}"
-    w, s, rope = attention.w, attention.spec, attention.rope
-    reasons = [(w.sinks is not None, "attention sinks"), (s.chunked, "chunked attention"),
-               (s.softcap and not s.scale_q, "soft-capping without a scaled q"),
-               (type(rope) is not Rope, f"{type(rope).__name__} RoPE"),
-               (type(rope) is Rope and rope.yarn is not None, "YaRN RoPE")]
-    return next((why for applies, why in reasons if applies), f"a {type(layer).__name__}")
-
-
 @dataclass
 class AroundAttention:
     """A pre-norm layer's tensors around its attention: x -> h = x + post(attn(input(x))) * scale,
@@ -110,19 +69,10 @@ class AroundAttention:
     experts: MoeFfn | None = None  # and the routed experts, then the layer's whole output
 
 
-def graph_routes(router: Router) -> bool:
-    """Whether the graph routes as ``router`` does: llama.cpp's softmax, top-k, optional
-    renormalisation and scale (the other gatings keep the torch router)."""
-    return (router.gating == "softmax" and router.selection_bias is None
-            and router.groups[0] <= 1)
-
-
-def attach(layers: list, kernels: CpuKernels) -> int:
+def attach(layers: list, kernels: CpuKernels) -> None:
     """Give each pre-norm layer whose attention ``supports`` allows its graph (``layer.graph``,
-    x -> ``LayerStep``) -> how many got one. A MoE layer with a plain softmax router routes in
-    the graph; one whose experts all lie in the mapped file (no shared expert, no recorder)
-    computes them there as well."""
-    count = 0
+    x -> ``LayerStep``). A MoE layer with a plain softmax router routes in the graph; one whose
+    experts all lie in the mapped file (no shared expert, no recorder) computes them there too."""
     for layer in layers:
         attention = getattr(layer, "attention", None)
         if hasattr(layer, "graph") and isinstance(attention, Attention) and supports(attention):
@@ -135,8 +85,6 @@ def attach(layers: list, kernels: CpuKernels) -> int:
                                      getattr(layer, "residual_scale", 1.0), router,
                                      moe.experts.fused(moe.layer) if whole else None)
             layer.graph = LayerGraph(kernels, attention, around)
-            count += 1
-    return count
 
 
 @dataclass
@@ -147,8 +95,8 @@ class _Graph:
 
 
 class LayerGraph:
-    """A layer's attention with the norms and residual around it, computed by ggml:
-    x [N, D], batch -> (h [N, D], the FFN's input [N, D])."""
+    """A layer's attention with the norms and residual around it (and its routing and experts,
+    where ``AroundAttention`` has them), computed by ggml: x [N, D], batch -> ``LayerStep``."""
 
     def __init__(self, kernels: CpuKernels, attention: Attention, around: AroundAttention):
         self.kernels, self.ggml, self.attention = kernels, kernels.ggml, attention

@@ -27,10 +27,9 @@ from moeswap.quant.moe_graph import gelu_tanh
 _F32 = int(GGMLQuantizationType.F32)
 
 
-def attach(layers: list, kernels: CpuKernels) -> int:
+def attach(layers: list, kernels: CpuKernels) -> None:
     """Give every quantized ``DenseFFN`` of the layers (the layer's FFN, or its MoE block's
-    shared expert) its graph -> how many got one."""
-    count = 0
+    shared expert) its graph."""
     for layer in layers:
         ffn = getattr(layer, "ffn", None)
         shared = getattr(ffn, "shared", None)
@@ -39,8 +38,6 @@ def attach(layers: list, kernels: CpuKernels) -> int:
                     isinstance(p, QuantLinear) and p.bias is None
                     for p in (dense.gate, dense.up, dense.down)):
                 dense.graph = DenseFfnGraph(kernels, dense)
-                count += 1
-    return count
 
 
 class DenseFfnGraph:

@@ -25,6 +25,7 @@ from moeswap.models.blocks import KV_Q8_0
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.experts import ResidentExperts
 from moeswap.models import ggml_attention, ggml_ffn
+from moeswap.models.graph_support import refuse_q8_0_cache
 from moeswap.models.moe import DecisionRecorder, ExpertRunner
 from moeswap.models.quant_experts import ExpertLayout, FolderMxfp4Experts, QuantResidentExperts
 from moeswap.models.registry import family
@@ -159,7 +160,7 @@ def _refuse_q8_0_cache(path: Path, arch: str, model: CausalLM, graphs: bool) -> 
         without = "a Hugging Face folder" if path.is_dir() else "load_model(graphs=False)"
         raise MoeswapError(f"{path}: --kv-type q8_0 is read only by ggml's attention graphs, "
                            f"which {without} does not use; use --kv-type f16")
-    ggml_attention.refuse_q8_0_cache(path, arch, model.layers)
+    refuse_q8_0_cache(path, arch, model.layers)
 
 
 def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], None],

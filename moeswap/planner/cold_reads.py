@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from moeswap.experts.settings import COLD_READS_MODES
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.planner.cgroup_memory import CgroupLimit, cgroup_limit
 from moeswap.planner.placement import gib
