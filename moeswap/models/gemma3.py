@@ -31,6 +31,8 @@ class SandwichLayer:
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.graph is not None:
             step = self.graph(x, batch)
+            if step.out is not None:  # the FFN ran in the graph too
+                return step.out
             h, ffn_input = step.h, step.ffn_input
         else:
             a = self.attention(rms_norm(x, self.attn_norm, self.eps), batch)

@@ -33,6 +33,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, LayerStep
+from moeswap.models.ggml_ffn import DenseFfnGraph
 from moeswap.models.graph_support import graph_routes, supports
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.models.moe import MoEBlock, Router
@@ -67,6 +68,8 @@ class AroundAttention:
     residual_scale: float = 1.0
     router: Router | None = None  # routing in the graph too (``graph_routes``)
     experts: MoeFfn | None = None  # and the routed experts, then the layer's whole output
+    dense: DenseFfnGraph | None = None  # or its dense FFN, then the whole output too
+    post_ffn_norm: torch.Tensor | None = None  # [D] on the FFN's output (Gemma 3)
 
 
 def attach(layers: list, kernels: CpuKernels) -> None:
@@ -83,7 +86,9 @@ def attach(layers: list, kernels: CpuKernels) -> None:
             around = AroundAttention(layer.attn_norm, layer.ffn_norm, layer.eps,
                                      getattr(layer, "post_attn_norm", None),
                                      getattr(layer, "residual_scale", 1.0), router,
-                                     moe.experts.fused(moe.layer) if whole else None)
+                                     moe.experts.fused(moe.layer) if whole else None,
+                                     getattr(layer.ffn, "graph", None),
+                                     getattr(layer, "post_ffn_norm", None))
             layer.graph = LayerGraph(kernels, attention, around)
 
 
@@ -101,7 +106,7 @@ class LayerGraph:
     def __init__(self, kernels: CpuKernels, attention: Attention, around: AroundAttention):
         self.kernels, self.ggml, self.attention = kernels, kernels.ggml, attention
         self.residual_scale = around.residual_scale
-        self.router, self.experts = around.router, around.experts
+        self.router, self.experts, self.dense = around.router, around.experts, around.dense
         self.top_k = around.router.top_k if around.router is not None else 0
         w, s = attention.w, attention.spec
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
@@ -118,6 +123,7 @@ class LayerGraph:
                              ("bo", w.wo.bias), ("q_norm", w.q_norm), ("k_norm", w.k_norm),
                              ("input_norm", around.input_norm), ("post_norm", around.post_norm),
                              ("next_norm", around.next_norm),
+                             ("post_ffn_norm", around.post_ffn_norm),
                              ("router_bias", around.router.bias if around.router else None)):
             if vector is not None:
                 flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
@@ -151,7 +157,7 @@ class LayerGraph:
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
         together = len(batch.spans) > 1 and all(e - s <= PIECE_TOKENS for s, e in batch.spans)
-        fused = self.experts is not None and len(batch.spans) == 1
+        fused = (self.experts is not None or self.dense is not None) and len(batch.spans) == 1
         step = self._outputs(x.shape[0], fused)
         s = self.attention.spec
         rooms = [cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
@@ -255,7 +261,7 @@ class LayerGraph:
         its own cache -> the graph and its context."""
         ggml, a, s = self.ggml, self.attention, self.attention.spec
         e, h, kv, n = s.head_dim, s.n_head, s.n_head_kv, sum(t for _, _, t, _ in shapes)
-        groups = -(-n // MAX_TOKENS_PER_CALL) if fused else 0  # of the experts' nodes
+        groups = -(-n // MAX_TOKENS_PER_CALL) if fused and self.experts else 0  # experts' nodes
         n_tensors = n_nodes = (160 + 8 * self.top_k + 48 * len(shapes)
                                + groups * (48 + 6 * self.top_k))
         size = (n_tensors * ggml.ggml_tensor_overhead()
@@ -356,6 +362,13 @@ class LayerGraph:
         h = arena.op(ggml.ggml_add(context, x, y))  # (D, T)
         ffn_input = norm(h, "next_norm", self.eps)  # (D, T)
         outputs = {"h": h, "ffn_input": ffn_input}
+        if fused and self.dense is not None:
+            y = self.dense.nodes(context, arena, ffn_input)  # (D, T)
+            if "post_ffn_norm" in vec:
+                y = norm(y, "post_ffn_norm", self.eps)
+            if self.residual_scale != 1.0:
+                y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
+            outputs = {"out": arena.op(ggml.ggml_add(context, h, y))}  # (D, T)
         if self.router is not None:
             ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
             outputs.update(ids=ids, weights=weights)

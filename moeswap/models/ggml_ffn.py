@@ -64,6 +64,17 @@ class DenseFfnGraph:
                              (out.data_ptr(), out.nbytes), y_offset)
         return y
 
+    def nodes(self, context: int, arena: Arena, x: int) -> int:
+        """The FFN's nodes on x (D, T) -> (D, T); a layer graph builds them into its own."""
+        ggml = self.ggml
+        gate = arena.op(ggml.ggml_mul_mat(context, self.gate.tensor, x))  # (F, T)
+        up = arena.op(ggml.ggml_mul_mat(context, self.up.tensor, x))  # (F, T)
+        if self.gelu:
+            hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate), up))
+        else:
+            hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
+        return arena.op(ggml.ggml_mul_mat(context, self.down.tensor, hidden))  # (D, T)
+
     def _build(self, n_tokens: int) -> tuple[int, int, int]:
         ggml = self.ggml
         size = 32 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(32, False)
@@ -71,13 +82,7 @@ class DenseFfnGraph:
         self._contexts.append(context)
         arena = Arena(self.kernels, context)
         x = arena.new(_F32, self.width, n_tokens)  # (D, T)
-        gate = arena.op(ggml.ggml_mul_mat(context, self.gate.tensor, x))  # (F, T)
-        up = arena.op(ggml.ggml_mul_mat(context, self.up.tensor, x))  # (F, T)
-        if self.gelu:
-            hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate), up))
-        else:
-            hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
-        y = arena.op(ggml.ggml_mul_mat(context, self.down.tensor, hidden))  # (D, T)
+        y = self.nodes(context, arena, x)  # (D, T)
         graph = ggml.ggml_new_graph_custom(context, 32, False)
         ggml.ggml_build_forward_expand(graph, y)
         return graph, arena.offsets[x], arena.offsets[y]

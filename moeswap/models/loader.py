@@ -146,8 +146,8 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
         experts, recorder = replay.attach(config, str(path), experts, recorder)
     model = build(config, source, bound, experts, recorder)
     if graphs and kernels is not None:
+        ggml_ffn.attach(model.layers, kernels)  # first: a layer graph takes in its FFN's
         ggml_attention.attach(model.layers, kernels)
-        ggml_ffn.attach(model.layers, kernels)
     model.context, model.step_tokens = context_tokens, step_tokens
     model.kv_dtype = _KV_DTYPES[kv_type]
     if kv_type == "q8_0":
