@@ -3,8 +3,8 @@ against the torch reference (Attention's own code, load_model(graphs=False)).
 
 The graph mirrors llama.cpp's attention without flash attention, slot spans padded as its n_kv
 is, so on Q8_0 files the logits equal llama.cpp's bit for bit with an f32 and an f16 cache (the
-torch reference parts from them by up to 9e-3 where an f16 rounding lands the other way and the
-tiny model amplifies it). A piece, a step and a whole forward give the same bits.
+torch reference parts from them by up to 9e-3, bounded at 1.5e-2, where an f16 rounding lands
+the other way and the tiny model amplifies it). A piece, a step and a whole forward give the same bits.
 """
 
 from __future__ import annotations
@@ -181,4 +181,5 @@ def test_the_piece_for_a_large_cache_fits_the_scratch(q8_files):
     graph = model.layers[0].graph
     n_tokens = graph._piece_tokens(slots)
     assert 1 <= n_tokens < 512
-    graph._build([(slots, 0, n_tokens, slots.capacity)], fused=True)
+    _, context = graph._build([(slots, 0, n_tokens, slots.capacity)], fused=True)
+    graph.ggml.ggml_free(context)

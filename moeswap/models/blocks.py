@@ -44,7 +44,8 @@ LayerGraph = Callable[[torch.Tensor, "Batch"], "LayerStep"]
 @dataclass
 class LayerStep:
     """What a layer graph gives for N tokens: h [N, D] and the FFN's input [N, D]; with routing
-    the experts' ids [N, K] and weights [N, K]; with the experts too, only ``out`` [N, D]."""
+    the experts' ids [N, K] and weights [N, K]; where the FFN (dense, or the routed experts) ran
+    in the graph too, the layer's output ``out`` [N, D] instead of h and the FFN's input."""
 
     h: torch.Tensor | None = None
     ffn_input: torch.Tensor | None = None

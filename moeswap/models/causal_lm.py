@@ -33,14 +33,16 @@ class PreNormLayer:
     ffn: Callable[[torch.Tensor], torch.Tensor]
     eps: float
     residual_scale: float = 1.0
-    graph: LayerGraph | None = None  # the same up to the FFN's input, in ggml (the loader's)
+    graph: LayerGraph | None = None  # the same in ggml, up to or with the FFN (the loader's)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.graph is None:
             h = x + self.attention(rms_norm(x, self.attn_norm, self.eps), batch) * self.residual_scale
             return h + self.ffn(rms_norm(h, self.ffn_norm, self.eps)) * self.residual_scale
         step = self.graph(x, batch)
-        if step.out is not None:  # the routed experts ran in the graph too
+        if step.out is not None:  # the FFN (dense or routed) ran in the graph too
+            if step.ids is not None:
+                self.ffn.report(None, step.ids, step.weights)
             return step.out
         f = (self.ffn(step.ffn_input) if step.ids is None
              else self.ffn.routed(step.ffn_input, step.ids, step.weights))

@@ -26,7 +26,7 @@ class SandwichLayer:
     ffn: DenseFFN
     post_ffn_norm: torch.Tensor
     eps: float
-    graph: LayerGraph | None = None  # the same up to the FFN's input, in ggml (the loader's)
+    graph: LayerGraph | None = None  # the same in ggml, up to or with the FFN (the loader's)
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         if self.graph is not None:

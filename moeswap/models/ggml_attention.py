@@ -25,7 +25,6 @@ of the layer's cache, S attended slots (C or a multiple of SLOT_SPAN), T tokens 
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from gguf import GGMLQuantizationType
 from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, LayerStep
 from moeswap.models.ggml_ffn import DenseFfnGraph
 from moeswap.models.graph_support import graph_routes, supports
+from moeswap.models.kv_graph_inputs import bind_cache, piece_inputs
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
@@ -46,11 +46,9 @@ from moeswap.quant.moe_graph import MoeFfn
 PIECE_TOKENS = 32  # a piece of a long input is a multiple of this; several sequences: at most
 MAX_PIECE_TOKENS = 512  # the most tokens one graph takes (llama.cpp's default ubatch)
 GRAPH_BYTES = 160 << 20  # the most a piece's tensors may take of the scratch's 256 MiB
+_SLOT_GRAPHS = 8  # graphs kept per layer and sequence (piece length, attended slots)
 _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compositions)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
-# KVCache's dtype -> its ggml type (torch.uint8: blocks.KV_Q8_0, bytes of Q8_0 blocks)
-_GGML_TYPES = {torch.float32: _F32, torch.float16: _F16,
-               torch.uint8: int(GGMLQuantizationType.Q8_0)}
 _PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
 _SORT_DESCENDING = 1  # GGML_SORT_ORDER_DESC
@@ -75,14 +73,16 @@ class AroundAttention:
 def attach(layers: list, kernels: CpuKernels) -> None:
     """Give each pre-norm layer whose attention ``supports`` allows its graph (``layer.graph``,
     x -> ``LayerStep``). A MoE layer with a plain softmax router routes in the graph; one whose
-    experts all lie in the mapped file (no shared expert, no recorder) computes them there too."""
+    experts all lie in the mapped file (no shared expert, no recorder of full distributions)
+    computes them there too, as a dense layer its FFN."""
     for layer in layers:
         attention = getattr(layer, "attention", None)
         if hasattr(layer, "graph") and isinstance(attention, Attention) and supports(attention):
             moe = layer.ffn if isinstance(layer.ffn, MoEBlock) else None
             router = moe.router if moe is not None and graph_routes(moe.router) else None
-            whole = (router is not None and moe.shared is None and moe.recorder is None
-                     and not moe.weight_input and isinstance(moe.experts, QuantResidentExperts))
+            whole = (router is not None and moe.shared is None and not moe.weight_input
+                     and (moe.recorder is None or not moe.recorder.router_probs)
+                     and isinstance(moe.experts, QuantResidentExperts))
             around = AroundAttention(layer.attn_norm, layer.ffn_norm, layer.eps,
                                      getattr(layer, "post_attn_norm", None),
                                      getattr(layer, "residual_scale", 1.0), router,
@@ -128,15 +128,18 @@ class LayerGraph:
             if vector is not None:
                 flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
                 bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), f"attention {name}")
-                self.vectors[name], self._keep = bound.tensor, [*self._keep, bound]
+                self.vectors[name] = bound.tensor
+                self._keep.append(bound)
         factors = attention.rope.freq_factors
         if factors is not None:
             flat = factors.detach().to(torch.float32).contiguous()
             bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), "rope_freqs")
-            self.vectors["rope_freqs"], self._keep = bound.tensor, [*self._keep, bound]
+            self.vectors["rope_freqs"] = bound.tensor
+            self._keep.append(bound)
         # Graphs die with the slots they write (a grown or finished cache frees its graphs).
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._batch_graphs: dict = {}  # several sequences' pieces -> graph, their slots, context
+        self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # of caches
+        self._batch_graphs: dict = {}  # several sequences' pieces -> graph, context, their slots
         weakref.finalize(self, _free_kept, kernels.ggml, self._batch_graphs)
 
     def _matrix(self, linear: QuantLinear | TorchLinear, name: str):
@@ -150,26 +153,33 @@ class LayerGraph:
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> LayerStep:
         """x [N, D] -> the layer's ``LayerStep``; each sequence against its own cache. One
-        sequence: a graph per piece, computing the routed experts too where it can. Several
-        sequences of at most PIECE_TOKENS new tokens each (decode steps): one graph for all,
-        their projections and routing batched, each attending its own cache, the experts then
-        computed once for all (each expert read once per step)."""
+        sequence: a graph per piece, computing its FFN (dense or routed) too where it can.
+        Several sequences of at most PIECE_TOKENS new tokens each (decode steps) whose graph
+        fits the scratch: one graph for all, their projections and routing batched, each
+        attending its own cache, the experts then computed once for all (each expert read once
+        per step); else one sequence after another."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
-        together = len(batch.spans) > 1 and all(e - s <= PIECE_TOKENS for s, e in batch.spans)
-        fused = (self.experts is not None or self.dense is not None) and len(batch.spans) == 1
-        step = self._outputs(x.shape[0], fused)
         s = self.attention.spec
         rooms = [cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
                             (s.n_head_kv, s.head_dim))
                  for (start, end), cache in zip(batch.spans, batch.caches)]
-        if together:
+        if len(batch.spans) > 1 and all(e - s <= PIECE_TOKENS for s, e in batch.spans) and sum(
+                (e - s) * self._token_bytes(slots)
+                for (s, e), slots in zip(batch.spans, rooms)) <= GRAPH_BYTES:
+            step = self._outputs(x.shape[0], False)
             pieces = [(cache, slots, start, end, cache.length)
                       for (start, end), cache, slots in zip(batch.spans, batch.caches, rooms)]
-            self._run(x, step, 0, x.shape[0], pieces, batch, fused)
+            self._run(x, step, 0, x.shape[0], pieces, batch, False)
             return step
-        for (start, end), cache, slots in zip(batch.spans, batch.caches, rooms):
-            piece = self._piece_tokens(slots)
+        pieces = [self._piece_tokens(slots) for slots in rooms]
+        # The routed experts join a piece's graph only where its pieces keep the 32-token
+        # groups the store computes (a K-quant token's product depends on its group).
+        fused = len(batch.spans) == 1 and (self.dense is not None or self.experts is not None
+                                           and (pieces[0] % MAX_TOKENS_PER_CALL == 0
+                                                or x.shape[0] <= pieces[0]))
+        step = self._outputs(x.shape[0], fused)
+        for (start, end), cache, slots, piece in zip(batch.spans, batch.caches, rooms, pieces):
             for first in range(start, end, piece):
                 last = min(first + piece, end)
                 self._run(x[first:last], step, first, last,
@@ -177,26 +187,33 @@ class LayerGraph:
                           batch, fused)
         return step
 
-    def _piece_tokens(self, slots) -> int:
-        """Tokens per graph for a sequence's long input: as many as keep the graph's float
-        tensors within GRAPH_BYTES (scores and probabilities (S, T, H) and the mask (S, T),
-        S at most the slots' capacity; the experts' gate, up and activation (F, K, T); a few
-        (D, T)), whole multiples of PIECE_TOKENS, at most MAX_PIECE_TOKENS: fewer graphs, each
-        weight read once a piece."""
+    def _token_bytes(self, slots) -> int:
+        """An upper bound on the scratch bytes one new token of a graph takes: scores and
+        probabilities (S, H) and the mask (S), S at most the slots' capacity; the dense FFN's
+        tensors (F: 11 with tanh GELU, 3 with SiLU) or the experts' (F, K) x 3 and (D, K) x 3;
+        a few (D)."""
         s = self.attention.spec
-        hidden = self.experts.hidden_width * self.top_k if self.experts is not None else 0
-        per_token = 4 * (slots.capacity * (2 * s.n_head + 1) + 3 * hidden + 8 * self.width
-                         + 4 * s.n_head * s.head_dim)
-        fits = GRAPH_BYTES // per_token
+        ffn = 0
+        if self.dense is not None:
+            ffn = self.dense.hidden_width * (11 if self.dense.gelu else 3)
+        elif self.experts is not None:
+            ffn = 3 * self.top_k * (self.experts.hidden_width + self.width)
+        return 4 * (slots.capacity * (2 * s.n_head + 1) + ffn + 12 * self.width
+                    + 4 * s.n_head * s.head_dim)
+
+    def _piece_tokens(self, slots) -> int:
+        """Tokens per graph for a sequence's long input: as many as keep the graph within
+        GRAPH_BYTES, whole multiples of PIECE_TOKENS where that many fit, at most
+        MAX_PIECE_TOKENS: fewer graphs, each weight read once a piece."""
+        fits = GRAPH_BYTES // self._token_bytes(slots)
         if fits < PIECE_TOKENS:
             return max(1, fits)
         return min(MAX_PIECE_TOKENS, fits // PIECE_TOKENS * PIECE_TOKENS)
 
     def _outputs(self, n: int, fused: bool) -> LayerStep:
-        if fused:
-            return LayerStep(out=torch.empty(n, self.width))
-        step = LayerStep(torch.empty(n, self.width), torch.empty(n, self.width))
-        if self.router is not None:
+        step = (LayerStep(out=torch.empty(n, self.width)) if fused
+                else LayerStep(torch.empty(n, self.width), torch.empty(n, self.width)))
+        if self.router is not None and not (fused and self.dense is not None):
             step.ids = torch.empty(n, self.top_k, dtype=torch.int32)
             step.weights = torch.empty(n, self.top_k)
         return step
@@ -217,12 +234,12 @@ class LayerGraph:
             at = slots.claim(first, n_new)
             n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)
             # Every layer with this slot layout shares the masks and slot indices of a piece.
-            key = (id(cache), s.window, s.chunked, slots.capacity, slots.base, slots.frontier,
-                   slots.filled, first, n_new)
+            key = (id(cache), s.window, s.chunked, self.kv_width, slots.capacity, slots.base,
+                   slots.frontier, slots.filled, first, n_new)
             if key not in batch.shared:
-                batch.shared[key] = _piece_inputs(slots, at, first, n_new, n_slots, s.window,
+                batch.shared[key] = piece_inputs(slots, at, first, n_new, n_slots, s.window,
                                                   s.chunked, self.kv_width)
-            inputs += batch.shared[key][1:]  # key slots, value slots, mask
+            inputs += batch.shared[key]  # key slots, value slots, mask
             shapes.append((slots, start, n_new, n_slots))
         graph = self._graph(shapes, fused)
         outputs = [(getattr(step, name)[row:end], offset) for name, offset in graph.outputs.items()]
@@ -232,41 +249,53 @@ class LayerGraph:
                          [(t.data_ptr(), t.nbytes, offset) for t, offset in outputs[1:]])
 
     def _graph(self, shapes: list, fused: bool) -> _Graph:
-        """The kept graph for these pieces (slots, first row, T, S), built on first use: a
-        one-sequence graph lives as long as its slots; a graph of several sequences is kept
-        while all of their slots live, the last few compositions only."""
+        """The kept graph for these pieces (slots, first row, T, S), built on first use: the
+        last few of one sequence's graphs live with its slots; a graph of several sequences is
+        kept while all of their slots live, the last few compositions only."""
         if len(shapes) == 1:
             slots, _, n_new, n_slots = shapes[0]
-            graphs = self._graphs.setdefault(slots, {})
-            if (n_new, n_slots, fused) not in graphs:
-                graph, context = self._build(shapes, fused)
-                weakref.finalize(slots, self.ggml.ggml_free, context)
-                graphs[(n_new, n_slots, fused)] = graph
-            return graphs[(n_new, n_slots, fused)]
+            kept = self._graphs.get(slots)
+            if kept is None:
+                kept = self._graphs[slots] = {}
+                weakref.finalize(slots, _free_kept, self.ggml, kept)
+            key = (n_new, n_slots, fused)
+            graph = kept.pop(key, None) or self._build(shapes, fused)
+            kept[key] = graph  # most recent last
+            if len(kept) > _SLOT_GRAPHS:
+                self.ggml.ggml_free(kept.pop(next(iter(kept)))[1])
+            return graph[0]
         key = tuple((id(slots), start, n_new, n_slots) for slots, start, n_new, n_slots in shapes)
         kept = self._batch_graphs.pop(key, None)
-        if kept is None or any(ref() is not slots for ref, (slots, *_) in zip(kept[1], shapes)):
+        if kept is None or any(ref() is not slots for ref, (slots, *_) in zip(kept[2], shapes)):
             if kept is not None:
-                self.ggml.ggml_free(kept[2])
-            graph, context = self._build(shapes, fused)
-            kept = (graph, [weakref.ref(slots) for slots, *_ in shapes], context)
+                self.ggml.ggml_free(kept[1])
+            kept = (*self._build(shapes, fused), [weakref.ref(slots) for slots, *_ in shapes])
         self._batch_graphs[key] = kept  # most recent last
         while len(self._batch_graphs) > _BATCH_GRAPHS:
-            self.ggml.ggml_free(self._batch_graphs.pop(next(iter(self._batch_graphs)))[2])
+            self.ggml.ggml_free(self._batch_graphs.pop(next(iter(self._batch_graphs)))[1])
         return kept[0]
 
     def _build(self, shapes: list, fused: bool) -> tuple[_Graph, int]:
         """The graph for pieces (slots, first row, T_i, S_i): the projections, norms, RoPE
         and routing over all N = sum T_i tokens, each piece attending the first S_i slots of
         its own cache -> the graph and its context."""
-        ggml, a, s = self.ggml, self.attention, self.attention.spec
-        e, h, kv, n = s.head_dim, s.n_head, s.n_head_kv, sum(t for _, _, t, _ in shapes)
-        groups = -(-n // MAX_TOKENS_PER_CALL) if fused and self.experts else 0  # experts' nodes
+        ggml, n = self.ggml, sum(t for _, _, t, _ in shapes)
+        groups = -(-n // MAX_TOKENS_PER_CALL) if fused and self.experts is not None else 0
         n_tensors = n_nodes = (160 + 8 * self.top_k + 48 * len(shapes)
                                + groups * (48 + 6 * self.top_k))
         size = (n_tensors * ggml.ggml_tensor_overhead()
                 + ggml.ggml_graph_overhead_custom(n_nodes, False))
         context = ggml.ggml_init(InitParams(size, None, True))
+        try:
+            return self._fill(context, shapes, fused, n, n_nodes), context
+        except BaseException:
+            ggml.ggml_free(context)
+            raise
+
+    def _fill(self, context: int, shapes: list, fused: bool, n: int, n_nodes: int) -> _Graph:
+        """``_build``'s graph in ``context``, for N = n tokens, of at most n_nodes nodes."""
+        ggml, a, s = self.ggml, self.attention, self.attention.spec
+        e, h, kv = s.head_dim, s.n_head, s.n_head_kv
         arena = Arena(self.kernels, context)
         x = arena.new(_F32, self.width, n)  # (D, N)
         positions = arena.new(_I32, n)
@@ -302,7 +331,8 @@ class LayerGraph:
             q_all = arena.op(ggml.ggml_scale(context, q_all, s.scale))
         writes, all_heads = [], None
         for slots, start, t, n_slots in shapes:
-            cache_keys, cache_values = _bind_cache(ggml, context, slots, self.kv_width)
+            cache_keys, cache_values = bind_cache(ggml, context, slots, self.kv_width,
+                                                   self._buffers)
             key_slots = arena.new(_I64, t)
             value_slots = arena.new(_I64, t if slots.rows else t * self.kv_width)
             mask = arena.new(_F16 if slots.rows else _F32, n_slots, t)  # (S, T)
@@ -373,24 +403,29 @@ class LayerGraph:
             ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
             outputs.update(ids=ids, weights=weights)
             if fused:
-                y = self._experts(context, arena, ffn_input, ids, weights, t)
+                y, copies = self._experts(context, arena, ffn_input, ids, weights, t)
+                writes += copies
                 if self.residual_scale != 1.0:
                     y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
-                outputs = {"out": arena.op(ggml.ggml_add(context, h, y))}  # (D, T)
+                outputs = {"out": arena.op(ggml.ggml_add(context, h, y)),  # (D, T)
+                           "ids": ids, "weights": weights}  # for the routing recorder
         graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
-        for write in writes:  # first: the scores read the slots they fill
+        for write in writes:  # first: the scores read the slots they fill, the sum its parts
             ggml.ggml_build_forward_expand(graph, write)
         for tensor in outputs.values():
             ggml.ggml_build_forward_expand(graph, tensor)
         return _Graph(graph, tuple(arena.offsets[i] for i in inputs),
-                      {name: arena.offsets[tensor] for name, tensor in outputs.items()}), context
+                      {name: arena.offsets[tensor] for name, tensor in outputs.items()})
 
     def _experts(self, context: int, arena: Arena, x: int, ids: int, weights: int,
-                 n_tokens: int) -> int:
-        """The routed experts on x (D, T) -> (D, T), in groups of MAX_TOKENS_PER_CALL tokens:
-        the groups the store and the resident runner compute (run_in_pieces), since a token's
-        product can depend on the others in its group (docs/KERNELS.md, K-quants)."""
-        ggml, d, k, parts = self.ggml, self.width, self.top_k, []
+                 n_tokens: int) -> tuple[int, list[int]]:
+        """The routed experts on x (D, T) -> (D, T) and the copies that fill it, in groups of
+        MAX_TOKENS_PER_CALL tokens: the groups the store and the resident runner compute
+        (run_in_pieces), since a token's product can depend on the others in its group
+        (docs/KERNELS.md, K-quants). Each group's result is copied into its columns."""
+        ggml, d, k = self.ggml, self.width, self.top_k
+        out = arena.new(_F32, d, n_tokens) if n_tokens > MAX_TOKENS_PER_CALL else None
+        copies = []
         for start in range(0, n_tokens, MAX_TOKENS_PER_CALL):
             t = min(MAX_TOKENS_PER_CALL, n_tokens - start)
             rows = arena.view(ggml.ggml_view_3d(context, x, d, 1, t, d * 4, d * 4, start * d * 4))
@@ -398,8 +433,11 @@ class LayerGraph:
             share = arena.view(ggml.ggml_view_3d(context, weights, 1, k, t, 4, k * 4,
                                                  start * k * 4))
             y = self.experts.nodes(context, arena, "all", rows, picks, share, t, k)  # (D, t)
-            parts.append(y if not parts else arena.op(ggml.ggml_concat(context, parts[-1], y, 1)))
-        return parts[-1]
+            if out is None:
+                return y, []
+            columns = arena.view(ggml.ggml_view_2d(context, out, d, t, d * 4, start * d * 4))
+            copies.append(arena.view(ggml.ggml_cpy(context, y, columns)))
+        return out, copies
 
     def _route(self, context: int, arena: Arena, x: int, n_tokens: int) -> tuple[int, int]:
         """llama.cpp's build_moe_ffn routing of x (D, T): softmax over the router's logits,
@@ -428,44 +466,7 @@ class LayerGraph:
         return ids, weights
 
 
-def _bind_cache(ggml, context: int, slots, kv_width: int) -> tuple[int, int]:
-    """ggml tensors over the slots' buffers: keys (K*E, C) and values (1, C*K*V), or values
-    (K*E, C) too in a Q8_0 cache."""
-    kind = _GGML_TYPES[slots.keys.dtype]
-    keys = ggml.ggml_new_tensor_2d(context, kind, kv_width, slots.capacity)
-    values = (ggml.ggml_new_tensor_2d(context, kind, kv_width, slots.capacity) if slots.rows
-              else ggml.ggml_new_tensor_2d(context, kind, 1, slots.values.numel()))
-    for tensor, data in ((keys, slots.keys), (values, slots.values)):
-        buffer = ggml.ggml_backend_cpu_buffer_from_ptr(data.data_ptr(), data.nbytes)
-        weakref.finalize(slots, ggml.ggml_backend_buffer_free, buffer)
-        if ggml.ggml_backend_tensor_alloc(buffer, tensor, ctypes.c_void_p(data.data_ptr())):
-            raise RuntimeError("ggml failed (KV cache tensor)")
-    return keys, values
-
-
-def _piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
-                  chunked: bool, kv_width: int) -> tuple[torch.Tensor, ...]:
-    """Positions [T] int32, key slots [T] and value slots [T*K*E] int64, mask [T, S] float32
-    (0 where query t sees slot j, -inf elsewhere) of a piece; of a Q8_0 cache, value slots
-    [T] (values as rows) and an f16 mask (flash attention's)."""
-    q_pos = torch.arange(first, first + n_new)  # [T]
-    key_slots = (torch.arange(at.start, at.stop) if isinstance(at, slice) else at).long()  # [T]
-    # value (e, slot) sits at e * C + slot of the transposed buffer; rows in (T, K*E) order
-    value_slots = key_slots if slots.rows else (torch.arange(kv_width)[None, :] * slots.capacity
-                                                + key_slots[:, None]).reshape(-1)  # [T*K*E]
-    k_pos = slots.positions[:n_slots][None, :]  # [1, S]
-    qp = q_pos[:, None]  # [T, 1]
-    visible = (k_pos <= qp) & (torch.arange(n_slots) < slots.filled)[None, :]
-    if window and chunked:
-        visible &= k_pos >= qp // window * window
-    elif window:
-        visible &= qp - k_pos < window
-    mask = torch.zeros(n_new, n_slots).masked_fill_(~visible, float("-inf"))  # [T, S]
-    if slots.rows:
-        mask = mask.half()
-    return q_pos.to(torch.int32), key_slots, value_slots, mask
-
-
 def _free_kept(ggml, kept: dict) -> None:
-    for _, _, context in kept.values():
+    """Free the contexts of kept graphs: values (graph, context, ...)."""
+    for _, context, *_ in kept.values():
         ggml.ggml_free(context)

@@ -3,7 +3,8 @@ one ggml graph: gate and up products, the activation, their product and the down
 
 Where the torch path makes three ggml graphs and the activation and product in torch, this makes
 one graph per piece of at most ``MAX_TOKENS_PER_CALL`` tokens (the pieces ``QuantMatrix`` cuts),
-built once per piece length and kept. The activation is ggml's ``swiglu_split`` for SiLU and
+built once per piece length and kept; a single sequence's layer graph builds the same ``nodes``
+into its own (moeswap.models.ggml_attention). The activation is ggml's ``swiglu_split`` for SiLU and
 tanh GELU written in ggml's exact ops (moeswap.quant.moe_graph.gelu_tanh), as the expert graph
 computes them, so the products and activation agree with the torch path within a rounding.
 
@@ -21,7 +22,7 @@ from moeswap.models.blocks import DenseFFN
 from moeswap.models.linear import QuantLinear
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.ggml_lib import InitParams
-from moeswap.quant.graph_arena import Arena
+from moeswap.quant.graph_arena import Arena, free_contexts
 from moeswap.quant.moe_graph import gelu_tanh
 
 _F32 = int(GGMLQuantizationType.F32)
@@ -47,9 +48,10 @@ class DenseFfnGraph:
         self.kernels, self.ggml, self.gelu = kernels, kernels.ggml, ffn.gelu
         self.gate, self.up, self.down = (p.matrix.weight for p in (ffn.gate, ffn.up, ffn.down))
         self.width, self.out_width = self.gate.ne[0], self.down.ne[1]
+        self.hidden_width = self.gate.ne[1]  # F
         self._graphs: dict[int, tuple[int, int, int]] = {}  # T -> graph, x offset, output offset
         self._contexts: list[int] = []
-        weakref.finalize(self, _free_contexts, kernels.ggml, self._contexts)
+        weakref.finalize(self, free_contexts, kernels.ggml, self._contexts)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D]."""
@@ -86,8 +88,3 @@ class DenseFfnGraph:
         graph = ggml.ggml_new_graph_custom(context, 32, False)
         ggml.ggml_build_forward_expand(graph, y)
         return graph, arena.offsets[x], arena.offsets[y]
-
-
-def _free_contexts(ggml, contexts: list[int]) -> None:
-    for context in contexts:
-        ggml.ggml_free(context)

@@ -49,7 +49,10 @@ def _torch_path_reason(layer) -> str:
     reasons = [(w.sinks is not None, "attention sinks"), (s.chunked, "chunked attention"),
                (s.softcap and not s.scale_q, "soft-capping without a scaled q"),
                (type(rope) is not Rope, f"{type(rope).__name__} RoPE"),
-               (type(rope) is Rope and rope.yarn is not None, "YaRN RoPE")]
+               (type(rope) is Rope and rope.yarn is not None, "YaRN RoPE"),
+               (type(rope) is Rope and rope.mscale != 1.0, "a RoPE multiplier"),
+               (not all(isinstance(p, (QuantLinear, TorchLinear))
+                        for p in (w.wq, w.wk, w.wv, w.wo)), "projections of another kind")]
     return next((why for applies, why in reasons if applies), f"a {type(layer).__name__}")
 
 

@@ -157,10 +157,15 @@ class MoEBlock:
         """x [N, D] -> [N, D]."""
         return self.routed(x, *self.router(x))
 
-    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D] with the router's choice made (ids, weights [N, K]) -> [N, D]."""
+    def report(self, x: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Hand the recorder (if any) this choice on x [N, D]; x may be None where the recorder
+        takes no full distributions (a layer graph that ran the experts itself)."""
         if self.recorder is not None:
             self.router.report(self.recorder, self.layer, x, ids, weights)
+
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D] with the router's choice made (ids, weights [N, K]) -> [N, D]."""
+        self.report(x, ids, weights)
         if self.weight_input:  # one run per choice k: its input scaled by its own weight
             ones = torch.ones_like(weights[:, :1])  # [N, 1]
             y = sum(self.experts.run(self.layer, x * weights[:, k:k + 1], ids[:, k:k + 1], ones)

@@ -20,7 +20,6 @@ from moeswap.planner.cgroup_memory import CgroupLimit, cgroup_limit
 from moeswap.planner.placement import gib
 
 
-
 @dataclass(frozen=True)
 class ColdReads:
     on: bool

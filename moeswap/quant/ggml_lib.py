@@ -79,6 +79,7 @@ _SIGNATURES = {
                                       ctypes.c_float, ctypes.c_float, ctypes.c_float]),
     "ggml_prec_set_acc": (_BOOL, [_VOID_P, _INT]),
     "ggml_concat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _INT]),
+    "ggml_cpy": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
     # Routing in the layer graph (llama.cpp's build_moe_ffn, softmax gating).
     "ggml_soft_max": (_VOID_P, [_VOID_P, _VOID_P]),
     "ggml_argsort": (_VOID_P, [_VOID_P, _VOID_P, _INT]),

@@ -46,3 +46,9 @@ class Arena:
         """A view (of a placed tensor), its data pointer set."""
         check_status(self.ggml.ggml_backend_view_init(tensor), "view")
         return tensor
+
+
+def free_contexts(ggml, contexts: list[int]) -> None:
+    """Free the ggml contexts a graph's owner made (its finalizer)."""
+    for context in contexts:
+        ggml.ggml_free(context)

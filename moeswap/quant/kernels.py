@@ -21,6 +21,7 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,7 +132,7 @@ class CpuKernels:
             self._scratch_buffer, tensor, self.scratch_address + offset), "scratch tensor")
 
     def run(self, graph: int, inputs: list[tuple[int, int, int]], output: tuple[int, int],
-            output_offset: int = _OUTPUT_OFFSET, more: list[tuple[int, int, int]] = ()):
+            output_offset: int = _OUTPUT_OFFSET, more: Sequence[tuple[int, int, int]] = ()):
         """Copy ``inputs`` (scratch offset, source address, bytes) in, compute, copy
         ``output`` (destination address, bytes) out from ``output_offset``, and ``more``
         outputs (destination address, bytes, scratch offset)."""

@@ -35,7 +35,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.quant.ggml_lib import GGML, InitParams
-from moeswap.quant.graph_arena import Arena
+from moeswap.quant.graph_arena import Arena, free_contexts
 from moeswap.quant.kernels import CpuKernels, check_status
 
 _F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
@@ -133,7 +133,7 @@ class MoeFfn:
         self.hidden_width = stacks.hidden_width
         self._graphs: dict[tuple[str, int, int], _Graph] = {}
         self._contexts: list[int] = []
-        weakref.finalize(self, _free_contexts, kernels.ggml, self._contexts)
+        weakref.finalize(self, free_contexts, kernels.ggml, self._contexts)
 
     def run(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T, K] (indices into the stacks), weights [T, K] -> [T, D]:
@@ -279,8 +279,3 @@ def gelu_tanh(ggml: GGML, context: int, arena: Arena, x: int) -> int:
 def _free_pool(ggml: GGML, context: int, buffer: int) -> None:
     ggml.ggml_free(context)
     ggml.ggml_backend_buffer_free(buffer)
-
-
-def _free_contexts(ggml: GGML, contexts: list[int]) -> None:
-    for context in contexts:
-        ggml.ggml_free(context)
