@@ -23,7 +23,7 @@ from gguf import GGUFReader
 import tiny_models
 from gguf_builders import tensor_info_offset
 from moeswap.cli import main
-from moeswap.models import load_model
+from moeswap.models import ggml_ffn, load_model
 from moeswap.quant import moe_graph
 
 SCRIPT = os.environ.get("MOESWAP_LLAMA_CPP_CONVERT", "")
@@ -338,8 +338,10 @@ def test_gemma4_official_file_matches_llama_cpp(gemma4, out_type, bound, monkeyp
     path = gemma4[2][out_type]
     reference = llama_cpp_logits(path)
     monkeypatch.setattr(F, "gelu", ggml_fp16_gelu)
-    # The q8_0 experts run in moeswap's fused ggml graph: give it llama.cpp's GELU as well.
-    monkeypatch.setattr(moe_graph, "_gelu_tanh",
-                        lambda ggml, context, arena, x: arena.op(ggml.ggml_gelu(context, x)))
+    # The q8_0 experts and dense FFNs run in moeswap's ggml graphs: give them llama.cpp's GELU.
+    def table_gelu(ggml, context, arena, x):
+        return arena.op(ggml.ggml_gelu(context, x))
+    monkeypatch.setattr(moe_graph, "gelu_tanh", table_gelu)
+    monkeypatch.setattr(ggml_ffn, "gelu_tanh", table_gelu)
     ours = logits(path).double().numpy()
     assert float(np.abs(ours - reference).max() / np.abs(reference).max()) <= bound
