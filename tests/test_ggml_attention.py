@@ -183,3 +183,38 @@ def test_the_piece_for_a_large_cache_fits_the_scratch(q8_files):
     assert 1 <= n_tokens < 512
     _, context = graph._build([(slots, 0, n_tokens, slots.capacity)], fused=True)
     graph.ggml.ggml_free(context)
+
+
+def test_sequences_whose_graph_would_not_fit_run_one_after_another(q8_files, monkeypatch):
+    """Where several sequences' graph would outgrow the scratch they run one by one (here the
+    limit is made tiny), giving the same bits as one graph for all."""
+    from moeswap.models import ggml_attention
+
+    prompts = [PROMPT[:5], PROMPT[5:14], PROMPT[14:17]]
+    outputs, together = [], []
+    for limit in (ggml_attention.GRAPH_BYTES, 1):
+        monkeypatch.setattr(ggml_attention, "GRAPH_BYTES", limit)
+        model = load_model(q8_files("mixtral"))
+        caches = [model.new_cache() for _ in prompts]
+        model.forward(prompts, caches)
+        outputs.append(model.forward([p[-1:] for p in prompts], caches))
+        together.append(len(model.layers[0].graph._batch_graphs))
+    assert together[0] > 0 and together[1] == 0  # one graph for the three, then none
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_a_sequence_keeps_its_last_few_graphs(q8_files):
+    """Pieces of many lengths against one cache: a layer keeps at most _SLOT_GRAPHS of that
+    sequence's graphs (the oldest freed), and results stay those of a fresh model."""
+    from moeswap.models import ggml_attention
+
+    model = load_model(q8_files("mixtral"))
+    cache = model.new_cache()
+    ids = torch.randint(0, tiny_models.VOCAB, (66,), generator=torch.Generator().manual_seed(8))
+    chunks, start = [], 0
+    for n in range(1, 12):  # 11 piece lengths: 1 + 2 + ... + 11 = 66 tokens
+        chunks.append(logits(model, ids[start:start + n], cache))
+        start += n
+    kept = model.layers[0].graph._graphs[cache._layers[0]]
+    assert len(kept) == ggml_attention._SLOT_GRAPHS
+    assert torch.equal(torch.cat(chunks), logits(load_model(q8_files("mixtral")), ids))
