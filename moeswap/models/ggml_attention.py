@@ -95,7 +95,8 @@ def attach(layers: list, kernels: CpuKernels) -> None:
 @dataclass
 class _Graph:
     graph: int
-    inputs: tuple[int, ...]  # scratch offsets of x, positions, key slots, value slots, mask
+    inputs: tuple[int, ...]  # scratch offsets of x, positions, then per piece its key slots,
+    #                          value slots and mask
     outputs: dict[str, int]  # LayerStep field -> scratch offset
 
 
@@ -110,7 +111,7 @@ class LayerGraph:
         self.top_k = around.router.top_k if around.router is not None else 0
         w, s = attention.w, attention.spec
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
-        self.vectors: dict[str, int] = {}  # biases and norm weights as ggml F32 tensors
+        self.vectors: dict[str, int] = {}  # biases, norm weights, rope factors as F32 tensors
         self._keep: list = []  # the bound vectors' memory
         self.matrices = {name: self._matrix(linear, name) for name, linear in
                          (("wq", w.wq), ("wk", w.wk), ("wv", w.wv), ("wo", w.wo))}
@@ -124,18 +125,13 @@ class LayerGraph:
                              ("input_norm", around.input_norm), ("post_norm", around.post_norm),
                              ("next_norm", around.next_norm),
                              ("post_ffn_norm", around.post_ffn_norm),
-                             ("router_bias", around.router.bias if around.router else None)):
+                             ("router_bias", around.router.bias if around.router else None),
+                             ("rope_freqs", attention.rope.freq_factors)):
             if vector is not None:
                 flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
                 bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), f"attention {name}")
                 self.vectors[name] = bound.tensor
                 self._keep.append(bound)
-        factors = attention.rope.freq_factors
-        if factors is not None:
-            flat = factors.detach().to(torch.float32).contiguous()
-            bound = kernels.bind(flat.numpy(), _F32, (flat.numel(), 1), "rope_freqs")
-            self.vectors["rope_freqs"] = bound.tensor
-            self._keep.append(bound)
         # Graphs die with the slots they write (a grown or finished cache frees its graphs).
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # of caches
@@ -164,9 +160,10 @@ class LayerGraph:
         rooms = [cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
                             (s.n_head_kv, s.head_dim))
                  for (start, end), cache in zip(batch.spans, batch.caches)]
-        if len(batch.spans) > 1 and all(e - s <= PIECE_TOKENS for s, e in batch.spans) and sum(
-                (e - s) * self._token_bytes(slots)
-                for (s, e), slots in zip(batch.spans, rooms)) <= GRAPH_BYTES:
+        if len(batch.spans) > 1 and all(end - start <= PIECE_TOKENS
+                                        for start, end in batch.spans) and sum(
+                (end - start) * self._token_bytes(slots)
+                for (start, end), slots in zip(batch.spans, rooms)) <= GRAPH_BYTES:
             step = self._outputs(x.shape[0], False)
             pieces = [(cache, slots, start, end, cache.length)
                       for (start, end), cache, slots in zip(batch.spans, batch.caches, rooms)]
@@ -213,7 +210,7 @@ class LayerGraph:
     def _outputs(self, n: int, fused: bool) -> LayerStep:
         step = (LayerStep(out=torch.empty(n, self.width)) if fused
                 else LayerStep(torch.empty(n, self.width), torch.empty(n, self.width)))
-        if self.router is not None and not (fused and self.dense is not None):
+        if self.router is not None:
             step.ids = torch.empty(n, self.top_k, dtype=torch.int32)
             step.weights = torch.empty(n, self.top_k)
         return step
@@ -306,6 +303,12 @@ class LayerGraph:
             normed = arena.op(ggml.ggml_rms_norm(context, y, eps))
             return arena.op(ggml.ggml_mul(context, normed, vec[name]))
 
+        def residual(base: int, y: int) -> int:
+            """base + y times the residual multiplier (Granite), (D, N)."""
+            if self.residual_scale != 1.0:
+                y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
+            return arena.op(ggml.ggml_add(context, base, y))
+
         xn = norm(x, "input_norm", self.eps)  # (D, N)
 
         def project(name: str, bias: str) -> int:
@@ -329,7 +332,9 @@ class LayerGraph:
         q_all, k_all = rope(q_all), rope(k_all)
         if s.scale_q:
             q_all = arena.op(ggml.ggml_scale(context, q_all, s.scale))
-        writes, all_heads = [], None
+        writes = []
+        # each piece's heads (E*H, T) go into its columns of all N tokens' (several pieces)
+        all_heads = arena.new(_F32, e * h, n) if len(shapes) > 1 else None
         for slots, start, t, n_slots in shapes:
             cache_keys, cache_values = bind_cache(ggml, context, slots, self.kv_width,
                                                    self._buffers)
@@ -379,35 +384,30 @@ class LayerGraph:
                 heads = arena.op(ggml.ggml_cont(context, arena.view(
                     ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
             heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))  # (E*H, T)
-            all_heads = heads if all_heads is None else arena.op(
-                ggml.ggml_concat(context, all_heads, heads, 1))  # (E*H, N so far)
-        heads, t = all_heads, n
+            if all_heads is not None:
+                writes.append(_into_columns(ggml, context, arena, all_heads, heads, e * h, start,
+                                            t))
+        heads, t = (heads if all_heads is None else all_heads), n
         y = arena.op(ggml.ggml_mul_mat(context, self.matrices["wo"].tensor, heads))  # (D, T)
         if "bo" in vec:
             y = arena.op(ggml.ggml_add(context, y, vec["bo"]))
         if "post_norm" in vec:
             y = norm(y, "post_norm", self.eps)
-        if self.residual_scale != 1.0:
-            y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
-        h = arena.op(ggml.ggml_add(context, x, y))  # (D, T)
+        h = residual(x, y)  # (D, T)
         ffn_input = norm(h, "next_norm", self.eps)  # (D, T)
         outputs = {"h": h, "ffn_input": ffn_input}
         if fused and self.dense is not None:
             y = self.dense.nodes(context, arena, ffn_input)  # (D, T)
             if "post_ffn_norm" in vec:
                 y = norm(y, "post_ffn_norm", self.eps)
-            if self.residual_scale != 1.0:
-                y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
-            outputs = {"out": arena.op(ggml.ggml_add(context, h, y))}  # (D, T)
+            outputs = {"out": residual(h, y)}  # (D, T)
         if self.router is not None:
             ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
             outputs.update(ids=ids, weights=weights)
             if fused:
                 y, copies = self._experts(context, arena, ffn_input, ids, weights, t)
                 writes += copies
-                if self.residual_scale != 1.0:
-                    y = arena.op(ggml.ggml_scale(context, y, self.residual_scale))
-                outputs = {"out": arena.op(ggml.ggml_add(context, h, y)),  # (D, T)
+                outputs = {"out": residual(h, y),  # (D, T)
                            "ids": ids, "weights": weights}  # for the routing recorder
         graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
         for write in writes:  # first: the scores read the slots they fill, the sum its parts
@@ -435,8 +435,7 @@ class LayerGraph:
             y = self.experts.nodes(context, arena, "all", rows, picks, share, t, k)  # (D, t)
             if out is None:
                 return y, []
-            columns = arena.view(ggml.ggml_view_2d(context, out, d, t, d * 4, start * d * 4))
-            copies.append(arena.view(ggml.ggml_cpy(context, y, columns)))
+            copies.append(_into_columns(ggml, context, arena, out, y, d, start, t))
         return out, copies
 
     def _route(self, context: int, arena: Arena, x: int, n_tokens: int) -> tuple[int, int]:
@@ -464,6 +463,15 @@ class LayerGraph:
         if r.scale != 1.0:
             weights = arena.op(ggml.ggml_scale(context, weights, r.scale))
         return ids, weights
+
+
+def _into_columns(ggml, context: int, arena: Arena, out: int, part: int, rows: int,
+                  start: int, n_columns: int) -> int:
+    """Copy ``part`` (R = rows, n_columns) f32 into columns start.. of ``out`` (R, N) -> the
+    copy's node, to expand before anything that reads ``out``."""
+    columns = arena.view(ggml.ggml_view_2d(context, out, rows, n_columns, rows * 4,
+                                           start * rows * 4))
+    return arena.view(ggml.ggml_cpy(context, part, columns))
 
 
 def _free_kept(ggml, kept: dict) -> None:

@@ -78,7 +78,6 @@ _SIGNATURES = {
     "ggml_flash_attn_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P, _VOID_P,
                                       ctypes.c_float, ctypes.c_float, ctypes.c_float]),
     "ggml_prec_set_acc": (_BOOL, [_VOID_P, _INT]),
-    "ggml_concat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _INT]),
     "ggml_cpy": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
     # Routing in the layer graph (llama.cpp's build_moe_ffn, softmax gating).
     "ggml_soft_max": (_VOID_P, [_VOID_P, _VOID_P]),
