@@ -7,18 +7,16 @@ from __future__ import annotations
 import time
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
 from moeswap.bench.memory import MemoryTrace
 from moeswap.bench.scenarios import RunSpec
 from moeswap.bench.timing import run_sequential, warm_up
 
-_GGML_KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}  # --kv-type -> llama.cpp's type_k / type_v
-
-
 def kv_arguments(kv_type: str) -> dict:
     """llama_cpp.Llama's cache type for ``kv_type``; a Q8_0 V cache needs flash attention
     (llama.cpp refuses it without), which moeswap's q8_0 cache mirrors."""
-    kind = _GGML_KV_TYPES[kv_type]
+    kind = int(GGMLQuantizationType[kv_type.upper()])  # llama.cpp's type_k / type_v
     return {"type_k": kind, "type_v": kind, "flash_attn": kv_type == "q8_0"}
 
 

@@ -38,7 +38,7 @@ ExpertRunnerFactory = Callable[[GGUFFile, CpuKernels, list[int], str], ExpertRun
 
 # --kv-type -> the torch type KVCache stores (the same names as moeswap.memory.KV_TYPES);
 # KV_Q8_0: bytes of Q8_0 blocks, for the ggml attention graphs.
-_KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8_0": KV_Q8_0}
+KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8_0": KV_Q8_0}
 
 
 def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = None,
@@ -103,8 +103,8 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
                 expert_runner: ExpertRunnerFactory | None, recorder: DecisionRecorder | None,
                 replay: Any, context_tokens: int, step_tokens: int, kv_type: str,
                 validate: bool, repack: bool, graphs: bool) -> CausalLM:
-    if kv_type not in _KV_DTYPES:
-        raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(_KV_DTYPES)}")
+    if kv_type not in KV_DTYPES:
+        raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(KV_DTYPES)}")
     source: Any
     gguf: GGUFFile | None = None
     if path.is_dir():
@@ -149,7 +149,7 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
         ggml_ffn.attach(model.layers, kernels)  # first: a layer graph takes in its FFN's
         ggml_attention.attach(model.layers, kernels)
     model.context, model.step_tokens = context_tokens, step_tokens
-    model.kv_dtype = _KV_DTYPES[kv_type]
+    model.kv_dtype = KV_DTYPES[kv_type]
     if kv_type == "q8_0":
         _refuse_q8_0_cache(path, config.arch, model, graphs and kernels is not None)
     return model

@@ -11,13 +11,11 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-import torch
-
 from moeswap.memory import HostCharge
+from moeswap.models.loader import KV_DTYPES
 from moeswap.server.batching import BatchOptions
 
-# the model's kv_dtype -> --kv-type (torch.uint8: Q8_0 blocks, moeswap.models.blocks.KV_Q8_0)
-_KV_TYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.uint8: "q8_0"}
+_KV_TYPE_NAMES = {dtype: name for name, dtype in KV_DTYPES.items()}  # kv_dtype -> --kv-type
 
 
 @lru_cache(maxsize=8)  # one server has one runtime; a test process makes a few
