@@ -389,13 +389,7 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
         scores.mul_(s.scale)
     if s.softcap:
         scores.div_(s.softcap).tanh_().mul_(s.softcap)
-    q_pos = torch.arange(past, past + n_new)[:, None]  # [T, 1]
-    k_pos = k_pos[None, :]  # [1, S]
-    visible = k_pos <= q_pos
-    if s.window and s.chunked:
-        visible &= k_pos >= q_pos // s.window * s.window
-    elif s.window:
-        visible &= q_pos - k_pos < s.window
+    visible = visible_keys(torch.arange(past, past + n_new), k_pos, s.window, s.chunked)
     scores.masked_fill_(~visible, float("-inf"))
     if sinks is not None:
         _spread_rows(logits.view(-1), rows, n_keys)
@@ -406,6 +400,19 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
         probs = probs.to(narrow).to(q.dtype)  # [K, G, T, S], rounded as ggml rounds them
     out = probs @ values.permute(1, 0, 2)[:, None]  # [K, G, T, V]
     return out.permute(2, 0, 1, 3).reshape(n_new, s.n_head, values.shape[-1])  # [T, H, V]
+
+
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
+                 chunked: bool) -> torch.Tensor:
+    """Queries at q_pos [T] against keys at k_pos [S] -> [T, S] bool, ``attend``'s rule: a key
+    at k <= p, within the sliding window (p - k < window) or the query's chunk."""
+    q_pos, k_pos = q_pos[:, None], k_pos[None, :]  # [T, 1], [1, S]
+    visible = k_pos <= q_pos
+    if window and chunked:
+        visible &= k_pos >= q_pos // window * window
+    elif window:
+        visible &= q_pos - k_pos < window
+    return visible
 
 
 def _spread_rows(flat: torch.Tensor, rows: int, width: int) -> None:

@@ -13,6 +13,7 @@ import weakref
 import torch
 from gguf import GGMLQuantizationType
 
+from moeswap.models.blocks import visible_keys
 from moeswap.quant.kernels import check_status
 
 _F32, _F16 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16)
@@ -50,18 +51,13 @@ def piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
     """Key slots [T] and value slots [T*K*E] int64, mask [T, S] float32 (0 where query t sees
     slot j, -inf elsewhere) of a piece; of a Q8_0 cache, value slots [T] (values as rows) and
     an f16 mask (flash attention's)."""
-    q_pos = torch.arange(first, first + n_new)  # [T]
     key_slots = (torch.arange(at.start, at.stop) if isinstance(at, slice) else at).long()  # [T]
     # value (e, slot) sits at e * C + slot of the transposed buffer; rows in (T, K*E) order
     value_slots = key_slots if slots.rows else (torch.arange(kv_width)[None, :] * slots.capacity
                                                 + key_slots[:, None]).reshape(-1)  # [T*K*E]
-    k_pos = slots.positions[:n_slots][None, :]  # [1, S]
-    qp = q_pos[:, None]  # [T, 1]
-    visible = (k_pos <= qp) & (torch.arange(n_slots) < slots.filled)[None, :]
-    if window and chunked:
-        visible &= k_pos >= qp // window * window
-    elif window:
-        visible &= qp - k_pos < window
+    visible = visible_keys(torch.arange(first, first + n_new), slots.positions[:n_slots],
+                           window, chunked)  # [T, S]
+    visible &= (torch.arange(n_slots) < slots.filled)[None, :]  # unwritten slots: none
     mask = torch.zeros(n_new, n_slots).masked_fill_(~visible, float("-inf"))  # [T, S]
     if slots.rows:
         mask = mask.half()
