@@ -16,11 +16,7 @@ from moeswap.models.moe import Router
 
 def supports(attention: Attention) -> bool:
     """Whether ``attention`` can run in a ``LayerGraph`` (else it keeps its torch code)."""
-    w, s, rope = attention.w, attention.spec, attention.rope
-    return (type(attention) is Attention
-            and all(isinstance(p, (QuantLinear, TorchLinear)) for p in (w.wq, w.wk, w.wv, w.wo))
-            and w.sinks is None and not s.chunked and (not s.softcap or s.scale_q)
-            and type(rope) is Rope and rope.yarn is None and rope.mscale == 1.0)
+    return _torch_path_reason(attention) is None
 
 
 def refuse_q8_0_cache(path, arch: str, layers: list) -> None:
@@ -31,7 +27,8 @@ def refuse_q8_0_cache(path, arch: str, layers: list) -> None:
         if getattr(layer, "graph", None) is None:
             raise MoeswapError(
                 f"{path}: --kv-type q8_0 is read only by ggml's attention graphs, and {arch}'s "
-                f"attention keeps the torch path (layer {i}: {_torch_path_reason(layer)}); "
+                f"attention keeps the torch path (layer {i}: "
+                f"{_torch_path_reason(attention) or f'a {type(layer).__name__}'}); "
                 f"use --kv-type f16")
         if attention.spec.head_dim % 32:
             raise MoeswapError(
@@ -40,9 +37,8 @@ def refuse_q8_0_cache(path, arch: str, layers: list) -> None:
                 f"use --kv-type f16")
 
 
-def _torch_path_reason(layer) -> str:
-    """Why ``layer`` has no graph, in a few words."""
-    attention = getattr(layer, "attention", None)
+def _torch_path_reason(attention) -> str | None:
+    """Why ``attention`` keeps its torch code, in a few words; None where a graph can run it."""
     if type(attention) is not Attention:
         return f"its attention is {type(attention).__name__}"
     w, s, rope = attention.w, attention.spec, attention.rope
@@ -53,7 +49,7 @@ def _torch_path_reason(layer) -> str:
                (type(rope) is Rope and rope.mscale != 1.0, "a RoPE multiplier"),
                (not all(isinstance(p, (QuantLinear, TorchLinear))
                         for p in (w.wq, w.wk, w.wv, w.wo)), "projections of another kind")]
-    return next((why for applies, why in reasons if applies), f"a {type(layer).__name__}")
+    return next((why for applies, why in reasons if applies), None)
 
 
 def graph_routes(router: Router) -> bool:
