@@ -220,30 +220,32 @@ class LayerGraph:
         """x [T, D] -> rows row..end of the step's outputs, for pieces (cache, slots, their
         rows start..stop of x, the position of the first) of one or several sequences;
         writes their keys and values."""
-        s = self.attention.spec
         spans = tuple((first, stop - start) for _, _, start, stop, first in pieces)
-        if spans not in batch.shared:  # every layer feeds the same positions
-            batch.shared[spans] = torch.cat([torch.arange(first, first + n)
-                                             for first, n in spans]).to(torch.int32)  # [T]
-        inputs, shapes = [x, batch.shared[spans]], []
+        inputs, shapes = [x, shared_positions(batch.shared, spans)], []
         for cache, slots, start, stop, first in pieces:
-            n_new = stop - start
-            at = slots.claim(first, n_new)
-            n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)
-            # Every layer with this slot layout shares the masks and slot indices of a piece.
-            key = (id(cache), s.window, s.chunked, self.kv_width, slots.capacity, slots.base,
-                   slots.frontier, slots.filled, first, n_new)
-            if key not in batch.shared:
-                batch.shared[key] = piece_inputs(slots, at, first, n_new, n_slots, s.window,
-                                                  s.chunked, self.kv_width)
-            inputs += batch.shared[key]  # key slots, value slots, mask
-            shapes.append((slots, start, n_new, n_slots))
+            layout, n_slots = self.claim(cache, slots, first, stop - start, batch.shared)
+            inputs += batch.shared[layout]  # key slots, value slots, mask
+            shapes.append((slots, start, stop - start, n_slots))
         graph = self._graph(shapes, fused)
         outputs = [(getattr(step, name)[row:end], offset) for name, offset in graph.outputs.items()]
         self.kernels.run(graph.graph, [(offset, t.data_ptr(), t.nbytes)
                                        for offset, t in zip(graph.inputs, inputs)],
                          (outputs[0][0].data_ptr(), outputs[0][0].nbytes), outputs[0][1],
                          [(t.data_ptr(), t.nbytes, offset) for t, offset in outputs[1:]])
+
+    def claim(self, cache, slots, first: int, n_new: int, shared: dict) -> tuple[tuple, int]:
+        """Claim the slots of a piece's positions first.. -> (its layout, S): the piece's key
+        slots, value slots and mask are ``shared[layout]``, made by the first layer of that
+        slot layout in this forward (the others read the same)."""
+        s = self.attention.spec
+        at = slots.claim(first, n_new)
+        n_slots = min(slots.capacity, -(-max(slots.filled, 1) // SLOT_SPAN) * SLOT_SPAN)
+        layout = (id(cache), s.window, s.chunked, self.kv_width, slots.capacity, slots.base,
+                  slots.frontier, slots.filled, first, n_new)
+        if layout not in shared:
+            shared[layout] = piece_inputs(slots, at, first, n_new, n_slots, s.window, s.chunked,
+                                          self.kv_width)
+        return layout, n_slots
 
     def _graph(self, shapes: list, fused: bool) -> _Graph:
         """The kept graph for these pieces (slots, first row, T, S), built on first use: the
@@ -277,26 +279,42 @@ class LayerGraph:
         and routing over all N = sum T_i tokens, each piece attending the first S_i slots of
         its own cache -> the graph and its context."""
         ggml, n = self.ggml, sum(t for _, _, t, _ in shapes)
-        groups = -(-n // MAX_TOKENS_PER_CALL) if fused and self.experts is not None else 0
-        n_tensors = n_nodes = (160 + 8 * self.top_k + 48 * len(shapes)
-                               + groups * (48 + 6 * self.top_k))
-        size = (n_tensors * ggml.ggml_tensor_overhead()
-                + ggml.ggml_graph_overhead_custom(n_nodes, False))
-        context = ggml.ggml_init(InitParams(size, None, True))
+        n_nodes = self.n_nodes(len(shapes), n, fused)
+        context = new_context(ggml, n_nodes)
         try:
-            return self._fill(context, shapes, fused, n, n_nodes), context
+            arena = Arena(self.kernels, context)
+            x = arena.new(_F32, self.width, n)  # (D, N)
+            positions = arena.new(_I32, n)
+            inputs = [x, positions]
+            outputs, writes = self.nodes(context, arena, x, positions,
+                                         [(*shape, None) for shape in shapes], fused, inputs, {})
+            graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
+            for write in writes:  # first: the scores read the slots they fill, the sum its parts
+                ggml.ggml_build_forward_expand(graph, write)
+            for tensor in outputs.values():
+                ggml.ggml_build_forward_expand(graph, tensor)
+            return _Graph(graph, tuple(arena.offsets[i] for i in inputs),
+                          {name: arena.offsets[tensor] for name, tensor in outputs.items()}), context
         except BaseException:
             ggml.ggml_free(context)
             raise
 
-    def _fill(self, context: int, shapes: list, fused: bool, n: int, n_nodes: int) -> _Graph:
-        """``_build``'s graph in ``context``, for N = n tokens, of at most n_nodes nodes."""
+    def n_nodes(self, n_pieces: int, n_tokens: int, fused: bool) -> int:
+        """At most how many tensors (and nodes) ``nodes`` makes for n_pieces pieces of
+        n_tokens tokens in all."""
+        groups = -(-n_tokens // MAX_TOKENS_PER_CALL) if fused and self.experts is not None else 0
+        return 160 + 8 * self.top_k + 48 * n_pieces + groups * (48 + 6 * self.top_k)
+
+    def nodes(self, context: int, arena: Arena, x: int, positions: int, shapes: list,
+              fused: bool, inputs: list, layouts: dict) -> tuple[dict[str, int], list[int]]:
+        """The layer's nodes on x (D, N) at positions (N) for pieces (slots, first row, T, S,
+        layout) -> its outputs by ``LayerStep`` field and the cache writes, to expand before
+        them. Each piece's key slots, value slots and mask are new tensors appended to
+        ``inputs``, or, where ``layouts`` already holds the piece's layout (not None), those
+        of an earlier layer of a token graph."""
         ggml, a, s = self.ggml, self.attention, self.attention.spec
         e, h, kv = s.head_dim, s.n_head, s.n_head_kv
-        arena = Arena(self.kernels, context)
-        x = arena.new(_F32, self.width, n)  # (D, N)
-        positions = arena.new(_I32, n)
-        inputs = [x, positions]
+        n = sum(t for _, _, t, _, _ in shapes)
         vec = self.vectors
 
         def norm(y: int, name: str, eps: float) -> int:
@@ -335,13 +353,16 @@ class LayerGraph:
         writes = []
         # each piece's heads (E*H, T) go into its columns of all N tokens' (several pieces)
         all_heads = arena.new(_F32, e * h, n) if len(shapes) > 1 else None
-        for slots, start, t, n_slots in shapes:
+        for slots, start, t, n_slots, layout in shapes:
             cache_keys, cache_values = bind_cache(ggml, context, slots, self.kv_width,
                                                    self._buffers)
-            key_slots = arena.new(_I64, t)
-            value_slots = arena.new(_I64, t if slots.rows else t * self.kv_width)
-            mask = arena.new(_F16 if slots.rows else _F32, n_slots, t)  # (S, T)
-            inputs += [key_slots, value_slots, mask]
+            if layout is None or layout not in layouts:
+                made = (arena.new(_I64, t), arena.new(_I64, t if slots.rows else t * self.kv_width),
+                        arena.new(_F16 if slots.rows else _F32, n_slots, t))  # mask (S, T)
+                inputs += made
+                if layout is not None:
+                    layouts[layout] = made
+            key_slots, value_slots, mask = made if layout is None else layouts[layout]
             # This piece's columns of the batch: q (E, H, T), k and v (K*E, T) rows.
             q = arena.view(ggml.ggml_view_3d(context, q_all, e, h, t, e * 4, e * h * 4,
                                              start * e * h * 4))
@@ -409,13 +430,7 @@ class LayerGraph:
                 writes += copies
                 outputs = {"out": residual(h, y),  # (D, T)
                            "ids": ids, "weights": weights}  # for the routing recorder
-        graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
-        for write in writes:  # first: the scores read the slots they fill, the sum its parts
-            ggml.ggml_build_forward_expand(graph, write)
-        for tensor in outputs.values():
-            ggml.ggml_build_forward_expand(graph, tensor)
-        return _Graph(graph, tuple(arena.offsets[i] for i in inputs),
-                      {name: arena.offsets[tensor] for name, tensor in outputs.items()})
+        return outputs, writes
 
     def _experts(self, context: int, arena: Arena, x: int, ids: int, weights: int,
                  n_tokens: int) -> tuple[int, list[int]]:
@@ -463,6 +478,21 @@ class LayerGraph:
         if r.scale != 1.0:
             weights = arena.op(ggml.ggml_scale(context, weights, r.scale))
         return ids, weights
+
+
+def new_context(ggml, n_nodes: int) -> int:
+    """A ggml context for a graph of at most n_nodes tensors and nodes (no data)."""
+    size = n_nodes * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(n_nodes, False)
+    return ggml.ggml_init(InitParams(size, None, True))
+
+
+def shared_positions(shared: dict, spans: tuple) -> torch.Tensor:
+    """The positions [T] of pieces (first position, length), made once per forward (every
+    layer feeds the same)."""
+    if spans not in shared:
+        shared[spans] = torch.cat([torch.arange(first, first + n)
+                                   for first, n in spans]).to(torch.int32)  # [T]
+    return shared[spans]
 
 
 def _into_columns(ggml, context: int, arena: Arena, out: int, part: int, rows: int,
