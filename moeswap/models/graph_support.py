@@ -2,8 +2,10 @@
 
 What ggml is not asked to do keeps the torch code, which is also the graphs' reference: YaRN
 RoPE and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks
-(GPT-OSS), soft-capping without a scaled q, attention of another class (MLA, Llama 4, Gemma 4),
-and routers other than a plain softmax. ``--kv-type q8_0`` is read by the graphs alone.
+(GPT-OSS), soft-capping without a scaled q, attention of another class (Llama 4, Gemma 4),
+and routers other than a plain softmax. MLA attention has its own graph
+(moeswap.models.mla_graph), which reads f32 and f16 caches. ``--kv-type q8_0`` is read by the
+``LayerGraph`` alone.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ def refuse_q8_0_cache(path, arch: str, layers: list) -> None:
     of whose layers keeps the torch attention, or whose heads are not whole Q8_0 blocks."""
     for i, layer in enumerate(layers):
         attention = getattr(layer, "attention", None)
-        if getattr(layer, "graph", None) is None:
+        if getattr(layer, "graph", None) is None or type(attention) is not Attention:
+            how = ("keeps the torch path" if getattr(layer, "graph", None) is None
+                   else "runs as a graph that reads f32 and f16 caches only")
             raise MoeswapError(
                 f"{path}: --kv-type q8_0 is read only by ggml's attention graphs, and {arch}'s "
-                f"attention keeps the torch path (layer {i}: "
+                f"attention {how} (layer {i}: "
                 f"{_torch_path_reason(attention) or f'a {type(layer).__name__}'}); "
                 f"use --kv-type f16")
         if attention.spec.head_dim % 32:
