@@ -64,6 +64,10 @@ class CausalLM:
         # and step_tokens; 0: no budget): new caches are sized to it.
         self.context, self.step_tokens = 0, 0
         self.kv_dtype = torch.float32  # of the cached keys and values (load_model's kv_type)
+        # The final norm and head in ggml (moeswap.models.head_graph), and one sequence's short
+        # step as one ggml graph (moeswap.models.token_graph): the loader's, for GGUF files
+        self.head_graph: Any = None
+        self.token_graph: Any = None
 
     def new_cache(self) -> KVCache:
         """An empty cache whose sliding-window layers keep only what they can still see,
@@ -93,13 +97,19 @@ class CausalLM:
         batch = Batch(positions, spans, caches)
         if self.recorder is not None:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
-        with torch_threads_for_step(len(positions)):  # decode: ggml's threads own the cores
-            for layer in self.layers:
-                x = layer(x, batch)
         if last_only:
-            x = x[[end - 1 for end in ends]]  # [B, D]: each sequence's last position
             spans = [(i, i + 1) for i in range(len(spans))]
-        logits = self.output(self.final_norm(x))  # [N or B, V]
+        if (self.token_graph is not None and len(caches) == 1
+                and self.token_graph.takes(lengths[0], caches[0])):
+            logits = self.token_graph(x, caches[0], batch.shared, last_only)  # [T or 1, V]
+        else:
+            with torch_threads_for_step(len(positions)):  # decode: ggml's threads own the cores
+                for layer in self.layers:
+                    x = layer(x, batch)
+            if last_only:
+                x = x[[end - 1 for end in ends]]  # [B, D]: each sequence's last position
+            logits = (self.head_graph(x) if self.head_graph is not None
+                      else self.output(self.final_norm(x)))  # [N or B, V]
         if c.logit_scale != 1.0:
             logits = logits / c.logit_scale
         if c.final_logit_softcap:

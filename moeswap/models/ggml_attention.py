@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 
 from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, LayerStep
 from moeswap.models.ggml_ffn import DenseFfnGraph
+from moeswap.models.graph_routing import GraphRouter
 from moeswap.models.graph_support import graph_routes, supports
 from moeswap.models.kv_graph_inputs import bind_cache, piece_inputs
 from moeswap.models.linear import QuantLinear, TorchLinear
@@ -40,8 +41,7 @@ from moeswap.models.mla_graph import attach as attach_mla
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
-from moeswap.quant.ggml_lib import InitParams
-from moeswap.quant.graph_arena import Arena
+from moeswap.quant.graph_arena import Arena, new_context
 from moeswap.quant.moe_graph import MoeFfn
 
 PIECE_TOKENS = 32  # a piece of a long input is a multiple of this; several sequences: at most
@@ -52,7 +52,6 @@ _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compos
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
 _PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
-_SORT_DESCENDING = 1  # GGML_SORT_ORDER_DESC
 
 
 @dataclass
@@ -118,16 +117,12 @@ class LayerGraph:
         self.matrices = {name: self._matrix(linear, name) for name, linear in
                          (("wq", w.wq), ("wk", w.wk), ("wv", w.wv), ("wo", w.wo))}
         self.width, self.eps = self.matrices["wq"].ne[0], around.eps  # D
-        if self.router is not None:  # [X, D] float -> ne (D, X) F32
-            weight = self.router.weight.detach().to(torch.float32).contiguous()
-            self.router_weight = kernels.bind(weight.numpy(), _F32, tuple(weight.shape[::-1]),
-                                              "router")
+        self.routing = GraphRouter(kernels, self.router) if self.router is not None else None
         for name, vector in (("bq", w.wq.bias), ("bk", w.wk.bias), ("bv", w.wv.bias),
                              ("bo", w.wo.bias), ("q_norm", w.q_norm), ("k_norm", w.k_norm),
                              ("input_norm", around.input_norm), ("post_norm", around.post_norm),
                              ("next_norm", around.next_norm),
                              ("post_ffn_norm", around.post_ffn_norm),
-                             ("router_bias", around.router.bias if around.router else None),
                              ("rope_freqs", attention.rope.freq_factors)):
             if vector is not None:
                 flat = vector.detach().to(torch.float32).contiguous().reshape(-1)
@@ -158,13 +153,11 @@ class LayerGraph:
         per step); else one sequence after another."""
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.to(torch.float32).contiguous()
-        s = self.attention.spec
-        rooms = [cache.room(self.attention.layer, end - start, (s.n_head_kv, s.head_dim),
-                            (s.n_head_kv, s.head_dim))
-                 for (start, end), cache in zip(batch.spans, batch.caches)]
+        rooms = [self.room(cache, end - start) for (start, end), cache in zip(batch.spans,
+                                                                               batch.caches)]
         if len(batch.spans) > 1 and all(end - start <= PIECE_TOKENS
                                         for start, end in batch.spans) and sum(
-                (end - start) * self._token_bytes(slots)
+                (end - start) * self.token_bytes(slots)
                 for (start, end), slots in zip(batch.spans, rooms)) <= GRAPH_BYTES:
             step = self._outputs(x.shape[0], False)
             pieces = [(cache, slots, start, end, cache.length)
@@ -186,7 +179,13 @@ class LayerGraph:
                           batch, fused)
         return step
 
-    def _token_bytes(self, slots) -> int:
+    def room(self, cache, n_new: int):
+        """The layer's slots in ``cache`` with room for n_new more positions."""
+        s = self.attention.spec
+        return cache.room(self.attention.layer, n_new, (s.n_head_kv, s.head_dim),
+                          (s.n_head_kv, s.head_dim))
+
+    def token_bytes(self, slots) -> int:
         """An upper bound on the scratch bytes one new token of a graph takes: scores and
         probabilities (S, H) and the mask (S), S at most the slots' capacity; the dense FFN's
         tensors (F: 11 with tanh GELU, 3 with SiLU) or the experts' (F, K) x 3 and (D, K) x 3;
@@ -204,7 +203,7 @@ class LayerGraph:
         """Tokens per graph for a sequence's long input: as many as keep the graph within
         GRAPH_BYTES, whole multiples of PIECE_TOKENS where that many fit, at most
         MAX_PIECE_TOKENS: fewer graphs, each weight read once a piece."""
-        fits = GRAPH_BYTES // self._token_bytes(slots)
+        fits = GRAPH_BYTES // self.token_bytes(slots)
         if fits < PIECE_TOKENS:
             return max(1, fits)
         return min(MAX_PIECE_TOKENS, fits // PIECE_TOKENS * PIECE_TOKENS)
@@ -425,7 +424,7 @@ class LayerGraph:
                 y = norm(y, "post_ffn_norm", self.eps)
             outputs = {"out": residual(h, y)}  # (D, T)
         if self.router is not None:
-            ids, weights = self._route(context, arena, ffn_input, t)  # (K, T), (1, K, T)
+            ids, weights = self.routing.nodes(context, arena, ffn_input, t)  # (K, T), (1, K, T)
             outputs.update(ids=ids, weights=weights)
             if fused:
                 y, copies = self._experts(context, arena, ffn_input, ids, weights, t)
@@ -454,38 +453,6 @@ class LayerGraph:
                 return y, []
             copies.append(_into_columns(ggml, context, arena, out, y, d, start, t))
         return out, copies
-
-    def _route(self, context: int, arena: Arena, x: int, n_tokens: int) -> tuple[int, int]:
-        """llama.cpp's build_moe_ffn routing of x (D, T): softmax over the router's logits,
-        the top k, their probabilities renormalised and scaled -> ids (K, T) I32, contiguous,
-        and weights (1, K, T)."""
-        ggml, k, t, r = self.ggml, self.top_k, n_tokens, self.router
-        logits = arena.op(ggml.ggml_mul_mat(context, self.router_weight.tensor, x))  # (X, T)
-        if "router_bias" in self.vectors:
-            logits = arena.op(ggml.ggml_add(context, logits, self.vectors["router_bias"]))
-        probs = arena.op(ggml.ggml_soft_max(context, logits))  # (X, T)
-        n_experts = self.router_weight.ne[1]
-        order = arena.op(ggml.ggml_argsort(context, probs, _SORT_DESCENDING))  # (X, T)
-        ids = arena.op(ggml.ggml_cont(context, arena.view(ggml.ggml_view_2d(
-            context, order, k, t, n_experts * 4, 0))))  # (K, T): ggml_argsort_top_k's first k
-        weights = arena.op(ggml.ggml_get_rows(context, arena.view(
-            ggml.ggml_reshape_3d(context, probs, 1, n_experts, t)), ids))  # (1, K, T)
-        if r.normalize:
-            flat = arena.view(ggml.ggml_reshape_2d(context, weights, k, t))
-            total = arena.op(ggml.ggml_clamp(context, arena.op(ggml.ggml_sum_rows(context, flat)),
-                                             6.103515625e-5, float("inf")))  # (1, T)
-            divided = arena.op(ggml.ggml_div(context, flat, total))  # (K, T)
-            weights = arena.view(ggml.ggml_reshape_3d(context, divided, 1, k, t))
-            arena.offsets[weights] = arena.offsets[divided]  # the same bytes, copied out
-        if r.scale != 1.0:
-            weights = arena.op(ggml.ggml_scale(context, weights, r.scale))
-        return ids, weights
-
-
-def new_context(ggml, n_nodes: int) -> int:
-    """A ggml context for a graph of at most n_nodes tensors and nodes (no data)."""
-    size = n_nodes * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(n_nodes, False)
-    return ggml.ggml_init(InitParams(size, None, True))
 
 
 def shared_positions(shared: dict, spans: tuple) -> torch.Tensor:

@@ -7,6 +7,7 @@ the region's start: a graph's intermediate tensors live only while it computes.
 from __future__ import annotations
 
 from moeswap.errors import MoeswapError
+from moeswap.quant.ggml_lib import InitParams
 from moeswap.quant.kernels import REGION_BYTES, WORK_OFFSET, CpuKernels, check_status
 
 _ALIGNMENT = 64  # a cache line: ggml's SIMD loads never straddle two tensors' data
@@ -46,6 +47,13 @@ class Arena:
         """A view (of a placed tensor), its data pointer set."""
         check_status(self.ggml.ggml_backend_view_init(tensor), "view")
         return tensor
+
+
+def new_context(ggml, n_nodes: int) -> int:
+    """A ggml context for a graph of at most n_nodes tensors and nodes (no data: an arena
+    places them)."""
+    size = n_nodes * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(n_nodes, False)
+    return ggml.ggml_init(InitParams(size, None, True))
 
 
 def free_contexts(ggml, contexts: list[int]) -> None:

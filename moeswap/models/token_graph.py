@@ -1,0 +1,158 @@
+"""A short step of one sequence as one ggml graph: every layer's nodes (its ``LayerGraph``:
+attention, routing, experts or dense FFN), chained, then the final norm and the output head,
+the whole token as llama.cpp computes it (docs/KERNELS.md, "One graph per token").
+
+A graph per layer costs a compute call, copies in and out and the layer loop's Python per layer
+and token; this is one call per step. It takes a step where every layer's FFN runs in its layer
+graph (every expert in the mapped file, or a dense FFN), of at most ``PIECE_TOKENS`` new tokens
+whose tensors fit the scratch; anything else runs layer by layer, with the same bits (a layer's
+nodes are the same, so is the order ggml computes them in).
+
+Graphs are built once per shape (tokens, each layer's slots and attended span) and kept with
+the cache, the last ``_KEPT`` of them.
+
+Legend (ggml order, ne0 first): D model width, T new tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from moeswap.models.blocks import KVCache
+from moeswap.models.causal_lm import CausalLM
+from moeswap.models.ggml_attention import GRAPH_BYTES, PIECE_TOKENS, LayerGraph, shared_positions
+from moeswap.models.head_graph import HEAD_NODES, HeadGraph
+from moeswap.quant import CpuKernels
+from moeswap.quant.graph_arena import Arena, new_context
+
+_F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
+_KEPT = 8  # graphs kept per cache: the attended span grows by SLOT_SPAN now and then
+
+
+class TokenGraph:
+    """x [T, D] (the embedded tokens) and one cache -> logits [T, V] (or the last row's, [1, V]),
+    before the model's logit scale and soft-cap; writes the cache's keys and values."""
+
+    def __init__(self, kernels: CpuKernels, layers: list, head: HeadGraph):
+        self.kernels, self.ggml, self.head = kernels, kernels.ggml, head
+        self.layers = layers  # with a ``graph`` (LayerGraph) each, and ``ffn`` for reports
+        self.graphs: list[LayerGraph] = [layer.graph for layer in layers]
+        self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> graphs
+
+    def takes(self, n_tokens: int, cache: KVCache) -> bool:
+        """Whether a step of n_tokens new tokens on ``cache`` runs as one graph: few enough
+        tokens, and every layer's tensors together within the scratch's GRAPH_BYTES."""
+        if n_tokens > PIECE_TOKENS:
+            return False
+        needed = n_tokens * (4 * self.head.vocabulary + 8 * self.head.width)  # the head's
+        for graph in self.graphs:
+            needed += n_tokens * graph.token_bytes(graph.room(cache, n_tokens))
+        return needed <= GRAPH_BYTES
+
+    def __call__(self, x: torch.Tensor, cache: KVCache, shared: dict,
+                 last_only: bool) -> torch.Tensor:
+        """x [T, D] float32 -> logits [T, V], or [1, V] with ``last_only``; ``shared`` is the
+        forward's ``Batch.shared``. Reports each MoE layer's routing to its recorder."""
+        n, first = x.shape[0], cache.length
+        inputs = [x.to(torch.float32).contiguous(), shared_positions(shared, ((first, n),))]
+        shapes, groups = [], {}
+        for graph in self.graphs:
+            slots = graph.room(cache, n)
+            layout, n_slots = graph.claim(cache, slots, first, n, shared)
+            if layout not in groups:
+                groups[layout] = len(groups)
+                inputs += shared[layout]  # key slots, value slots, mask
+            shapes.append((slots, n_slots, groups[layout]))
+        graph, outputs = self._graph(cache, shapes, n, last_only)
+        logits = torch.empty(1 if last_only else n, self.head.vocabulary)
+        routing = [(layer, torch.empty(n, g.top_k, dtype=torch.int32), torch.empty(n, g.top_k))
+                   for layer, g in zip(self.layers, self.graphs) if g.router is not None]
+        more = [(t.data_ptr(), t.nbytes, offset) for (_, *tensors), offsets in zip(routing, outputs)
+                for t, offset in zip(tensors, offsets)]
+        self.kernels.run(graph.graph, [(offset, t.data_ptr(), t.nbytes)
+                                       for offset, t in zip(graph.inputs, inputs)],
+                         (logits.data_ptr(), logits.nbytes), graph.logits, more)
+        for layer, ids, weights in routing:
+            layer.ffn.report(None, ids, weights)
+        return logits
+
+    def _graph(self, cache: KVCache, shapes: list, n: int, last_only: bool):
+        """The kept graph for this step's shape (built on first use) and the scratch offsets
+        of each MoE layer's (ids, weights)."""
+        kept = self._kept.get(cache)
+        if kept is None:
+            kept = self._kept[cache] = {}
+            weakref.finalize(cache, _free_kept, self.ggml, kept)
+        key = (n, last_only, tuple((id(slots), n_slots, group) for slots, n_slots, group in shapes))
+        entry = kept.pop(key, None)
+        if entry is not None and any(ref() is not slots for ref, (slots, *_) in zip(entry[3], shapes)):
+            self.ggml.ggml_free(entry[1])  # a slots object died and another took its id
+            entry = None
+        if entry is None:
+            entry = (*self._build(shapes, n, last_only), [weakref.ref(s) for s, *_ in shapes])
+        kept[key] = entry  # most recent last
+        if len(kept) > _KEPT:
+            self.ggml.ggml_free(kept.pop(next(iter(kept)))[1])
+        return entry[0], entry[2]
+
+    def _build(self, shapes: list, n: int, last_only: bool):
+        """-> the graph (its input offsets, ``logits``' offset), its context and the MoE layers'
+        (ids, weights) offsets, for shapes (slots, S, layout group) per layer."""
+        ggml = self.ggml
+        n_nodes = HEAD_NODES + sum(g.n_nodes(1, n, True) for g in self.graphs)
+        context = new_context(ggml, n_nodes)
+        try:
+            arena = Arena(self.kernels, context)
+            x = arena.new(_F32, self.graphs[0].width, n)  # (D, T)
+            positions = arena.new(_I32, n)
+            inputs, layouts, routing = [x, positions], {}, []
+            graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
+            for layer_graph, (slots, n_slots, group) in zip(self.graphs, shapes):
+                outputs, writes = layer_graph.nodes(context, arena, x, positions,
+                                                    [(slots, 0, n, n_slots, group)], True,
+                                                    inputs, layouts)
+                for tensor in (*writes, outputs["out"]):  # a layer's writes before its scores
+                    ggml.ggml_build_forward_expand(graph, tensor)
+                x = outputs["out"]  # (D, T)
+                if "ids" in outputs:
+                    routing.append(tuple(arena.offsets[outputs[name]] for name in ("ids", "weights")))
+                    for name in ("ids", "weights"):
+                        ggml.ggml_build_forward_expand(graph, outputs[name])
+            if last_only and n > 1:  # the last token's column alone (D, 1)
+                width = self.graphs[0].width
+                x = arena.view(ggml.ggml_view_2d(context, x, width, 1, width * 4,
+                                                 (n - 1) * width * 4))
+            logits = self.head.nodes(context, arena, x)  # (V, T)
+            ggml.ggml_build_forward_expand(graph, logits)
+            built = _Built(graph, tuple(arena.offsets[t] for t in inputs), arena.offsets[logits])
+            return built, context, routing
+        except BaseException:
+            ggml.ggml_free(context)
+            raise
+
+
+@dataclass
+class _Built:
+    graph: int
+    inputs: tuple[int, ...]  # scratch offsets of x, positions, each layout's three inputs
+    logits: int  # scratch offset of the logits
+
+
+def attach(model: CausalLM, kernels: CpuKernels) -> TokenGraph | None:
+    """The model's token graph, where every layer's FFN runs in its layer graph and the head
+    has its graph (else None: such models run layer by layer)."""
+    if model.head_graph is None or not all(
+            getattr(layer, "graph", None) is not None
+            and (layer.graph.dense is not None or layer.graph.experts is not None)
+            for layer in model.layers):
+        return None
+    return TokenGraph(kernels, model.layers, model.head_graph)
+
+
+def _free_kept(ggml, kept: dict) -> None:
+    for _, context, *_ in kept.values():
+        ggml.ggml_free(context)

@@ -1,0 +1,138 @@
+"""One graph per step (moeswap.models.token_graph) against the same layers run one graph each.
+
+A step of one sequence of at most PIECE_TOKENS new tokens runs every layer's nodes, the final
+norm and the head as one ggml graph: the logits, the cache it writes and the routing it reports
+are those of the layer-by-layer path, bit for bit (that path equals llama.cpp's logits on Q8_0
+files: tests/test_ggml_attention.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models
+from moeswap.gguf_tools.convert import convert
+from moeswap.models import load_model, token_graph
+from moeswap.models.ggml_attention import PIECE_TOKENS
+from moeswap.quant import CpuKernels
+from test_expert_store import store_model
+
+# Heads of 32 numbers (one Q8_0 block), so that a Q8_0 cache takes them too.
+FAMILIES = {"mixtral": {"head_dim": 32}, "qwen3moe": {}, "olmoe": {"hidden_size": 128},
+            "granitemoe": {"hidden_size": 128},
+            "gemma3": {"head_dim": 32, "query_pre_attn_scalar": 32}}
+IDS = torch.randint(0, tiny_models.VOCAB, (300,), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def q8_files(tmp_path_factory):
+    made = {}
+
+    def file(family: str):
+        if family not in made:
+            folder = tmp_path_factory.mktemp(family)
+            tiny_models.save(family, folder / "hf", **FAMILIES[family])
+            made[family] = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+        return made[family]
+    return file
+
+
+class Calls:
+    """Counts graph computes (CpuKernels.run)."""
+
+    def __init__(self, monkeypatch):
+        self.count, run = 0, CpuKernels.run
+
+        def counted(kernels, *args, **kwargs):
+            self.count += 1
+            return run(kernels, *args, **kwargs)
+        monkeypatch.setattr(CpuKernels, "run", counted)
+
+
+class Decisions:
+    """A routing recorder keeping every layer's (layer, ids, weights)."""
+
+    router_probs = False
+
+    def __init__(self):
+        self.records = []
+
+    def begin_forward(self, spans, starts, sequences) -> None:
+        pass
+
+    def record(self, layer, ids, weights, probs) -> None:
+        self.records.append((layer, ids.clone(), weights.clone()))
+
+
+def steps(model, lengths, last_only_at=()) -> torch.Tensor:
+    """Feed IDS in pieces of ``lengths`` to one cache -> every piece's logits, concatenated
+    (the last row alone for the pieces numbered in last_only_at)."""
+    cache, out, start = model.new_cache(), [], 0
+    for i, n in enumerate(lengths):
+        out.append(model.forward([IDS[start:start + n]], [cache], last_only=i in last_only_at)[0])
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_as_one_graph_equals_the_layers_one_by_one(q8_files, family, kv_type):
+    """Prefill in pieces of up to 32, decode past Gemma 3's rings and past a slot span (256
+    positions), a last-row-only step: the same bits as with the token graph off."""
+    model = load_model(q8_files(family), kv_type=kv_type)
+    assert model.token_graph is not None
+    lengths = [PIECE_TOKENS] * 8 + [7, 3] + [1] * 34
+    fast = steps(model, lengths, last_only_at={9})
+    model.token_graph = None
+    assert torch.equal(fast, steps(model, lengths, last_only_at={9}))
+
+
+def test_a_decode_step_is_one_compute_and_longer_steps_go_layer_by_layer(q8_files, monkeypatch):
+    model = load_model(q8_files("mixtral"))
+    calls, cache = Calls(monkeypatch), model.new_cache()
+    model.forward([IDS[:PIECE_TOKENS]], [cache])
+    model.forward([IDS[PIECE_TOKENS:PIECE_TOKENS + 1]], [cache])
+    assert calls.count == 2  # one prompt piece, one decode step: one graph each
+    model.forward([IDS[:PIECE_TOKENS + 1]], [model.new_cache()])  # over PIECE_TOKENS
+    assert calls.count == 2 + len(model.layers) + 2  # a graph per layer, the head's two groups
+    caches = [model.new_cache(), model.new_cache()]
+    calls.count = 0
+    model.forward([IDS[:1], IDS[1:2]], caches)  # two sequences: layer by layer
+    assert calls.count == 2 * len(model.layers) + 1  # each layer's graph and experts, the head
+
+
+def test_routing_reported_as_layer_by_layer(q8_files):
+    runs = []
+    for use_graph in (True, False):
+        decisions = Decisions()
+        model = load_model(q8_files("mixtral"), recorder=decisions)
+        if not use_graph:
+            model.token_graph = None
+        steps(model, [5, 1, 1])
+        runs.append(decisions.records)
+    assert [layer for layer, *_ in runs[0]] == [layer for layer, *_ in runs[1]]
+    assert len(runs[0]) == 3 * len(model.layers)
+    for (_, ids, weights), (_, ids_ref, weights_ref) in zip(*runs):
+        assert torch.equal(ids, ids_ref.to(ids.dtype)) and torch.equal(weights, weights_ref)
+
+
+def test_a_cache_keeps_its_last_few_graphs_and_frees_them_with_it(q8_files):
+    model = load_model(q8_files("mixtral"))
+    cache, chunks, start = model.new_cache(), [], 0
+    for n in range(1, 12):  # 11 step shapes
+        chunks.append(model.forward([IDS[start:start + n]], [cache])[0])
+        start += n
+    assert len(model.token_graph._kept[cache]) == token_graph._KEPT
+    del cache
+    assert len(model.token_graph._kept) == 0
+    assert torch.equal(torch.cat(chunks), steps(load_model(q8_files("mixtral")), range(1, 12)))
+
+
+def test_models_whose_ffn_leaves_the_layer_graph_run_layer_by_layer(q8_files, tmp_path):
+    assert load_model(q8_files("mixtral"), graphs=False).token_graph is None
+    offloaded, _ = store_model(q8_files("mixtral"), host_slots=4)  # experts in the store
+    assert offloaded.token_graph is None and offloaded.head_graph is not None
+    tiny_models.save("deepseek2", tmp_path / "hf")  # MLA keeps torch attention
+    path = convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0")
+    assert load_model(path).token_graph is None
