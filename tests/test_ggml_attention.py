@@ -21,8 +21,8 @@ from moeswap.models.blocks import SLOT_SPAN
 PROMPT = torch.randint(0, tiny_models.VOCAB, (40,), generator=torch.Generator().manual_seed(3))
 # Families whose attention runs as a graph, and one that keeps the torch path per reason.
 GRAPH_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "gemma3")
-# (MLA has its own graph: tests/test_mla_graph.py.)
-TORCH_FAMILIES = {"gpt_oss": "sinks and YaRN", "gemma4": "keys as values"}
+# (MLA and Gemma 4 have graphs of their own: tests/test_sequence_graphs.py.)
+TORCH_FAMILIES = {"gpt_oss": "sinks and YaRN"}
 
 
 @pytest.fixture(scope="module")

@@ -70,17 +70,21 @@ def test_gemma_matches_llama_cpp_with_its_f16_gelu(tmp_path, monkeypatch, family
     assert tiny_models.relative_error(moeswap_logits(path), reference) <= 1e-4
 
 # Families not within 1e-4 with an f16 cache (issue 24), the bound measured with some room
-# (now 1.4e-4, 2.6e-4, 5.5e-4). Not a different rounding: fed llama.cpp's own q, k and
-# v (its graph's Qcur/Kcur/Vcur, read through llama.cpp's eval callback), moeswap's torch
+# (now 1.4e-4, 2.6e-4, 3.5e-4, 3.1e-4). Not a different rounding: fed llama.cpp's own q, k
+# and v (its graph's Qcur/Kcur/Vcur, read through llama.cpp's eval callback), moeswap's torch
 # attention gives its kqv within 1e-7 in every layer of these. The gap is the ~1e-7 by
 # which the f32 inputs differ from llama.cpp's (summation order in torch's f32 experts and
-# FFNs; Gemma 4 attention in torch) landing some f16 roundings the other way. Q8_0
+# FFNs) landing some f16 roundings the other way. Q8_0
 # files of the families whose attention runs as a ggml graph give llama.cpp's logits bit for
-# bit (tests/test_ggml_attention.py). DeepSeek-V2-Lite was 3.6e-4 with MLA in torch; its MLA
-# graph (moeswap.models.mla_graph) brings it to 3e-7.
+# bit (tests/test_ggml_attention.py, test_sequence_graphs.py). With their attention in torch,
+# DeepSeek-V2-Lite was 3.6e-4 and Gemma 4 5.5e-4. Their attention graphs
+# (moeswap.models.mla_graph, gemma4_graph) with ggml's f32 routed experts bring them to 2e-7
+# and 2.4e-4 (measured with the experts in ggml, issue 24 in progress); with the experts in
+# torch as here, 3.5e-4 and 3.1e-4.
 # Each is still well under what the f16 cache itself moves llama.cpp's logits (f16 vs f32:
-# 5e-4, 1.1e-3, 4.7e-3).
-F16_KV_GAPS = {"mixtral": 2e-4, "gemma3": 4e-4, "gemma4": 7e-4, "gemma4_multimodal": 7e-4}
+# 5e-4, 1.1e-3, 3e-2, 4.7e-3).
+F16_KV_GAPS = {"mixtral": 2e-4, "gemma3": 4e-4, "deepseek2_lite": 5e-4, "gemma4": 4e-4,
+               "gemma4_multimodal": 4e-4}
 
 
 def test_f16_kv_logits_match_llama_cpp_with_f16_kv(f32_file, monkeypatch):

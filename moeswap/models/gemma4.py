@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -91,11 +91,16 @@ class Gemma4Layer:
     moe: Gemma4MoE | None
     out_scale: torch.Tensor | None  # [1] layer_output_scale
     eps: float
+    # x -> h, the same in ggml (moeswap.models.gemma4_graph), where the loader could build it
+    graph: Callable[[torch.Tensor, Batch], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         n, eps = self.norms, self.eps
-        a = self.attention(rms_norm(x, n["attn_norm"], eps), batch)
-        h = x + rms_norm(a, n["post_attention_norm"], eps)
+        if self.graph is not None:
+            h = self.graph(x, batch)
+        else:
+            a = self.attention(rms_norm(x, n["attn_norm"], eps), batch)
+            h = x + rms_norm(a, n["post_attention_norm"], eps)
         f = self.ffn(rms_norm(h, n["ffn_norm"], eps))
         if self.moe is not None:
             f = rms_norm(f, n["post_ffw_norm_1"], eps) + rms_norm(self.moe(h), n["post_ffw_norm_2"], eps)

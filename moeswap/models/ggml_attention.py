@@ -37,7 +37,7 @@ from moeswap.models.graph_routing import GraphRouter
 from moeswap.models.graph_support import graph_routes, supports
 from moeswap.models.kv_graph_inputs import bind_cache, piece_inputs
 from moeswap.models.linear import QuantLinear, TorchLinear
-from moeswap.models.mla_graph import attach as attach_mla
+from moeswap.models import gemma4_graph, mla_graph
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
@@ -90,7 +90,8 @@ def attach(layers: list, kernels: CpuKernels) -> None:
                                      getattr(layer.ffn, "graph", None),
                                      getattr(layer, "post_ffn_norm", None))
             layer.graph = LayerGraph(kernels, attention, around)
-    attach_mla(layers, kernels)  # MLA attention: its own graph (moeswap.models.mla_graph)
+    for own in (mla_graph, gemma4_graph):  # attentions with graphs of their own
+        own.attach(layers, kernels)
 
 
 @dataclass

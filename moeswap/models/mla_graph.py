@@ -91,8 +91,6 @@ class MlaLayerGraph(SequenceGraph):
     """A pre-norm MLA layer's attention with the norms and residual around it, computed by
     ggml: x [N, D], batch -> ``LayerStep`` (h, ffn_input); each sequence against its cache."""
 
-    dense = experts = None  # the FFN stays the layer's (no token graph chains this one)
-
     def __init__(self, kernels: CpuKernels, attention: MLAttention, input_norm: torch.Tensor,
                  next_norm: torch.Tensor, eps: float):
         a, w = attention, attention.w

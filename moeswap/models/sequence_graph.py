@@ -32,6 +32,8 @@ class SequenceGraph:
     """A layer's graph over one sequence's cache: x [N, D], batch -> ``n_outputs`` tensors
     [N, D]; each sequence's tokens in pieces of at most MAX_PIECE_TOKENS."""
 
+    dense = experts = None  # the FFN stays the layer's (no token graph chains these)
+
     def __init__(self, kernels: CpuKernels, layer: int, width: int, n_outputs: int,
                  key_shape: tuple[int, ...], value_shape: tuple[int, ...], window: int = 0):
         """key_shape, value_shape: a slot's entries ([K, E]; the torch path's, which shares
