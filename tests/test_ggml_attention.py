@@ -220,3 +220,28 @@ def test_a_sequence_keeps_its_last_few_graphs(q8_files):
     kept = model.layers[0].graph._graphs[cache._layers[0]]
     assert len(kept) == ggml_attention._SLOT_GRAPHS
     assert torch.equal(torch.cat(chunks), logits(load_model(q8_files("mixtral")), ids))
+
+
+@pytest.mark.llama_cpp
+def test_experts_share_one_product_where_a_tokens_bits_are_its_own(q8_files, tmp_path):
+    """Q8_0 experts: a whole piece in one mul_mat_id (each expert's rows read once a piece, as
+    llama.cpp), the same bits as the store's 32-token groups. Q4_K experts keep those groups
+    under exact tiers (ggml's tiled K-quant path makes a token's product depend on its group)
+    and share one product with repacked layouts on, within a logit tolerance."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes Q4_K_M")
+    assert all(layer.graph.any_group for layer in load_model(q8_files("mixtral")).layers)
+    tiny_models.save("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256,
+                     initializer_range=0.02)  # rows of 256: K-quant blocks
+    source = convert(tmp_path / "hf", tmp_path / "model.f32.gguf", "f32")
+    path = tmp_path / "model.q4_k_m.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(),
+                                          ctypes.byref(params)) == 0
+    exact, repacked = load_model(path), load_model(path, repack=True)
+    assert not any(layer.graph.any_group for layer in exact.layers)
+    assert all(layer.graph.any_group for layer in repacked.layers)
+    ids = torch.randint(0, tiny_models.VOCAB, (64,), generator=torch.Generator().manual_seed(4))
+    assert tiny_models.relative_error(logits(repacked, ids), logits(exact, ids)) < 1e-2

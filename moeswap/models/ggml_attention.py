@@ -52,6 +52,8 @@ _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compos
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
 _PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
+# Expert types ggml's CPU mul_mat_id computes by vec_dot alone, a token's bits its own
+_VEC_DOT_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0"))
 
 
 @dataclass
@@ -68,6 +70,9 @@ class AroundAttention:
     experts: MoeFfn | None = None  # and the routed experts, then the layer's whole output
     dense: DenseFfnGraph | None = None  # or its dense FFN, then the whole output too
     post_ffn_norm: torch.Tensor | None = None  # [D] on the FFN's output (Gemma 3)
+    # whether the experts' products are a token's own whatever tokens share a product (else in
+    # the store's groups of MAX_TOKENS_PER_CALL tokens: ``group_free``)
+    any_group: bool = False
 
 
 def attach(layers: list, kernels: CpuKernels) -> None:
@@ -88,10 +93,20 @@ def attach(layers: list, kernels: CpuKernels) -> None:
                                      getattr(layer, "residual_scale", 1.0), router,
                                      moe.experts.fused(moe.layer) if whole else None,
                                      getattr(layer.ffn, "graph", None),
-                                     getattr(layer, "post_ffn_norm", None))
+                                     getattr(layer, "post_ffn_norm", None),
+                                     whole and group_free(moe.experts, moe.layer, kernels))
             layer.graph = LayerGraph(kernels, attention, around)
     for own in (mla_graph, gemma4_graph):  # attentions with graphs of their own
         own.attach(layers, kernels)
+
+
+def group_free(experts: QuantResidentExperts, layer: int, kernels: CpuKernels) -> bool:
+    """Whether a piece's tokens may share one expert product: where ggml's mul_mat_id gives a
+    token the same bits in any group (vec_dot types), or tiers need not agree bit for bit
+    (repacked layouts, no --exact-tiers). A K-quant token's product depends on its group
+    (ggml's tiled path), so exact tiers keep the store's 32-token groups."""
+    return kernels.repack or all(part.ggml_type in _VEC_DOT_TYPES
+                                 for part in experts.layouts[layer].matrices.values())
 
 
 @dataclass
@@ -110,6 +125,7 @@ class LayerGraph:
         self.kernels, self.ggml, self.attention = kernels, kernels.ggml, attention
         self.residual_scale = around.residual_scale
         self.router, self.experts, self.dense = around.router, around.experts, around.dense
+        self.any_group = around.any_group
         self.top_k = around.router.top_k if around.router is not None else 0
         w, s = attention.w, attention.spec
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
@@ -166,10 +182,11 @@ class LayerGraph:
             self._run(x, step, 0, x.shape[0], pieces, batch, False)
             return step
         pieces = [self._piece_tokens(slots) for slots in rooms]
-        # The routed experts join a piece's graph only where its pieces keep the 32-token
-        # groups the store computes (a K-quant token's product depends on its group).
+        # The routed experts join a piece's graph where a token's product is its own in any
+        # group, or where its pieces keep the 32-token groups the store computes.
         fused = len(batch.spans) == 1 and (self.dense is not None or self.experts is not None
-                                           and (pieces[0] % MAX_TOKENS_PER_CALL == 0
+                                           and (self.any_group
+                                                or pieces[0] % MAX_TOKENS_PER_CALL == 0
                                                 or x.shape[0] <= pieces[0]))
         step = self._outputs(x.shape[0], fused)
         for (start, end), cache, slots, piece in zip(batch.spans, batch.caches, rooms, pieces):
@@ -304,7 +321,8 @@ class LayerGraph:
     def n_nodes(self, n_pieces: int, n_tokens: int, fused: bool) -> int:
         """At most how many tensors (and nodes) ``nodes`` makes for n_pieces pieces of
         n_tokens tokens in all."""
-        groups = -(-n_tokens // MAX_TOKENS_PER_CALL) if fused and self.experts is not None else 0
+        groups = 0 if not fused or self.experts is None else (
+            1 if self.any_group else -(-n_tokens // MAX_TOKENS_PER_CALL))
         return 160 + 8 * self.top_k + 48 * n_pieces + groups * (48 + 6 * self.top_k)
 
     def nodes(self, context: int, arena: Arena, x: int, positions: int, shapes: list,
@@ -436,15 +454,17 @@ class LayerGraph:
 
     def _experts(self, context: int, arena: Arena, x: int, ids: int, weights: int,
                  n_tokens: int) -> tuple[int, list[int]]:
-        """The routed experts on x (D, T) -> (D, T) and the copies that fill it, in groups of
-        MAX_TOKENS_PER_CALL tokens: the groups the store and the resident runner compute
-        (run_in_pieces), since a token's product can depend on the others in its group
-        (docs/KERNELS.md, K-quants). Each group's result is copied into its columns."""
+        """The routed experts on x (D, T) -> (D, T) and the copies that fill it: all T tokens in
+        one product where ``any_group``, else in groups of MAX_TOKENS_PER_CALL tokens, the
+        groups the store and the resident runner compute (run_in_pieces), since a token's
+        product can depend on the others in its group (docs/KERNELS.md, K-quants). Each
+        group's result is copied into its columns."""
         ggml, d, k = self.ggml, self.width, self.top_k
-        out = arena.new(_F32, d, n_tokens) if n_tokens > MAX_TOKENS_PER_CALL else None
+        group = n_tokens if self.any_group else MAX_TOKENS_PER_CALL
+        out = arena.new(_F32, d, n_tokens) if n_tokens > group else None
         copies = []
-        for start in range(0, n_tokens, MAX_TOKENS_PER_CALL):
-            t = min(MAX_TOKENS_PER_CALL, n_tokens - start)
+        for start in range(0, n_tokens, group):
+            t = min(group, n_tokens - start)
             rows = arena.view(ggml.ggml_view_3d(context, x, d, 1, t, d * 4, d * 4, start * d * 4))
             picks = arena.view(ggml.ggml_view_2d(context, ids, k, t, k * 4, start * k * 4))
             share = arena.view(ggml.ggml_view_3d(context, weights, 1, k, t, 4, k * 4,
