@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import tiny_models
+from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
+from moeswap.models.experts import ResidentExperts
 from moeswap.models.quant_experts import QuantResidentExperts
 
 PROMPT = torch.randint(0, tiny_models.VOCAB, (16,), generator=torch.Generator().manual_seed(1))
@@ -81,14 +83,22 @@ def test_batch_of_three_at_different_positions(family_files):
         assert tiny_models.relative_error(torch.cat(got[i]), expected[i]) <= 1e-5
 
 
+def float_runner(gguf, kernels, layers: list[int], activation: str) -> ResidentExperts:
+    """The torch runner HF folders get, forced onto a GGUF file."""
+    return ResidentExperts.from_weights(GGUFWeights(gguf), layers, activation)
+
+
 def test_ggml_expert_runner_equals_float_runner(family_files):
-    """The runner quantized GGUFs get (ggml on the mapped bytes), forced onto the f32 file:
-    biases, per-expert scales and fused layouts are computed as the float runner does."""
+    """The runner every GGUF gets (ggml on the mapped stacks, F32 ones too) against the torch
+    float runner on the same f32 file: biases, per-expert scales and fused layouts are
+    computed alike."""
     family, _, _, gguf_path = family_files
     if family == "gemma3":
         pytest.skip("Gemma 3 is dense: no routed experts")
-    ggml_model = load_model(gguf_path, expert_runner=QuantResidentExperts)
-    expected = full_logits(load_model(gguf_path), PROMPT)
+    ggml_model = load_model(gguf_path)
+    assert all(isinstance(layer.ffn.experts, QuantResidentExperts) for layer in ggml_model.layers
+               if hasattr(getattr(layer, "ffn", None), "experts"))
+    expected = full_logits(load_model(gguf_path, expert_runner=float_runner), PROMPT)
     assert tiny_models.relative_error(full_logits(ggml_model, PROMPT), expected) <= 1e-5
 
 

@@ -77,7 +77,8 @@ class KVCache:
     A cache told the budget's ``context`` (and ``step_tokens``) sizes each layer's buffer
     once, at its first append, to exactly what moeswap.memory.kv_cache_bytes charges
     (``held_positions``), and never grows while the sequence stays inside them. Without a
-    context a buffer doubles when a step needs more room (no budget to keep to).
+    context a buffer doubles when a step needs more room (no budget to keep to); a ring then
+    holds window - 1 + T positions rounded up to whole SLOT_SPANs.
 
     Each layer's entry shape is that of its first append, so layers may differ (MLA caches
     one latent per token: keys [S, 1, kv_lora + rope] and zero-width values).
@@ -121,8 +122,9 @@ class KVCache:
             else:
                 capacity = max(2 * (0 if slots is None else slots.capacity), SLOT_SPAN,
                                older + n_new)
-                if window:
-                    capacity = min(capacity, window - 1 + n_new)
+                if window:  # whole slot spans: until it wraps, a ring's dot products have the
+                    # length of llama.cpp's padded n_kv (its sums' lanes, so its bits)
+                    capacity = min(capacity, -(-(window - 1 + n_new) // SLOT_SPAN) * SLOT_SPAN)
             slots = _LayerSlots(capacity, tuple(key_shape), tuple(value_shape), self.dtype, slots,
                                 self.length - older, self.length)
             self._layers[layer] = slots

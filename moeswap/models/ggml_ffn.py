@@ -1,5 +1,7 @@
 """A dense gated feed-forward (``DenseFFN``: a dense layer, Gemma 3's FFN, a shared expert) as
 one ggml graph: gate and up products, the activation, their product and the down product.
+Its matrices are the quantized ones or F32 ones (an F32 GGUF's, mapped), bound as they lie:
+ggml's f32 products, as llama.cpp's on the same file, where torch would sum in another order.
 
 Where the torch path makes three ggml graphs and the activation and product in torch, this makes
 one graph per piece of at most ``MAX_TOKENS_PER_CALL`` tokens (the pieces ``QuantMatrix`` cuts),
@@ -19,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.models.blocks import DenseFFN
-from moeswap.models.linear import QuantLinear
+from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.ggml_lib import InitParams
 from moeswap.quant.graph_arena import Arena, free_contexts
@@ -29,16 +31,32 @@ _F32 = int(GGMLQuantizationType.F32)
 
 
 def attach(layers: list, kernels: CpuKernels) -> None:
-    """Give every quantized ``DenseFFN`` of the layers (the layer's FFN, or its MoE block's
-    shared expert) its graph."""
+    """Give every ``DenseFFN`` of the layers (the layer's FFN, or its MoE block's shared
+    expert) whose matrices ggml can take as they are (``bound_matrix``) its graph."""
     for layer in layers:
         ffn = getattr(layer, "ffn", None)
         shared = getattr(ffn, "shared", None)
         for dense in (ffn, getattr(shared, "ffn", None)):
             if isinstance(dense, DenseFFN) and all(
-                    isinstance(p, QuantLinear) and p.bias is None
-                    for p in (dense.gate, dense.up, dense.down)):
+                    p.bias is None and bindable(p) for p in (dense.gate, dense.up, dense.down)):
                 dense.graph = DenseFfnGraph(kernels, dense)
+
+
+def bindable(linear) -> bool:
+    """Whether ``bound_matrix`` takes ``linear`` without copying its weight: a quantized one,
+    or a float32 one laid out as a GGUF stores it."""
+    return isinstance(linear, QuantLinear) or (
+        isinstance(linear, TorchLinear) and linear.weight.dtype == torch.float32
+        and linear.weight.is_contiguous())
+
+
+def bound_matrix(kernels: CpuKernels, linear: QuantLinear | TorchLinear, name: str):
+    """The linear's weight as a bound ggml tensor of ne (in, out): the quantized one, or the
+    float one (an F32 GGUF tensor, mapped) bound as F32, not copied when it is ``bindable``."""
+    if isinstance(linear, QuantLinear):
+        return linear.matrix.weight
+    rows = linear.weight.detach().to(torch.float32).contiguous()  # [out, in]
+    return kernels.bind(rows.numpy(), _F32, (rows.shape[1], rows.shape[0]), name)
 
 
 class DenseFfnGraph:
@@ -46,7 +64,8 @@ class DenseFfnGraph:
 
     def __init__(self, kernels: CpuKernels, ffn: DenseFFN):
         self.kernels, self.ggml, self.gelu = kernels, kernels.ggml, ffn.gelu
-        self.gate, self.up, self.down = (p.matrix.weight for p in (ffn.gate, ffn.up, ffn.down))
+        self.gate, self.up, self.down = (bound_matrix(kernels, p, f"ffn {name}") for p, name in
+                                         ((ffn.gate, "gate"), (ffn.up, "up"), (ffn.down, "down")))
         self.width, self.out_width = self.gate.ne[0], self.down.ne[1]
         self.hidden_width = self.gate.ne[1]  # F
         self._graphs: dict[int, tuple[int, int, int]] = {}  # T -> graph, x offset, output offset

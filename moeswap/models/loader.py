@@ -1,9 +1,11 @@
 """load_model: a .gguf file or a HF folder -> a ready CausalLM with its expert runner.
 
 In a GGUF file every matrix not stored as F32 is computed by ggml's kernels straight from the
-mapped bytes (``BoundWeights``, ``QuantResidentExperts``); F32 tensors are zero-copy views of the
-mapped file and go through torch, as do HF folders, except a folder's MXFP4 experts (GPT-OSS as
-published), which ggml computes from their bytes repacked as a GGUF holds them.
+mapped bytes (``BoundWeights``); F32 tensors are zero-copy views of the mapped file and go
+through torch, as do HF folders, except where a layer graph binds them (attention, dense FFNs)
+and a folder's MXFP4 experts (GPT-OSS as published), which ggml computes from their bytes
+repacked as a GGUF holds them. A GGUF's routed experts, F32 ones too, are always ggml's
+(``QuantResidentExperts``, ``mul_mat_id`` over the mapped stacks, as llama.cpp computes them).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import config_from_gguf
@@ -136,7 +137,7 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
     experts: Any
     if mxfp4_folder:
         experts = FolderMxfp4Experts(weights, kernels, moe_layers, config.expert_act)
-    elif gguf is not None and (expert_runner is not None or _quantized_experts(gguf, moe_layers)):
+    elif gguf is not None:
         experts = (expert_runner or QuantResidentExperts)(gguf, kernels, moe_layers, config.expert_act)
         if verbose_log is not None:
             _log_expert_stacks(gguf, moe_layers, verbose_log, offloaded=expert_runner is not None)
@@ -168,7 +169,7 @@ def _refuse_q8_0_cache(path: Path, arch: str, model: CausalLM, graphs: bool) -> 
 def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], None],
                        offloaded: bool) -> None:
     """The routed-expert stacks the kernels compute from where they lie, in the tensor log's form."""
-    where = "expert store (tiers)" if offloaded else "mapped file (zero-copy, quantized kernels)"
+    where = "expert store (tiers)" if offloaded else "mapped file (zero-copy, ggml kernels)"
     for layer in layers:
         for part in ExpertLayout.from_file(gguf, layer).parts:
             info = gguf.tensor(part.name)
@@ -177,8 +178,3 @@ def _log_expert_stacks(gguf: GGUFFile, layers: list[int], log: Callable[[str], N
             log(f"{info.name}  {shape}  {info.type_name}  {where}  "
                 f"from offset {info.data_start}{piece}")
 
-
-def _quantized_experts(gguf: GGUFFile, layers: list[int]) -> bool:
-    """Whether any routed expert stack is stored in another type than F32."""
-    return any(part.ggml_type != GGMLQuantizationType.F32
-               for i in layers for part in ExpertLayout.from_file(gguf, i).matrices.values())
