@@ -96,10 +96,30 @@ def test_a_decode_step_is_one_compute_and_longer_steps_go_layer_by_layer(q8_file
     assert calls.count == 2  # one prompt piece, one decode step: one graph each
     model.forward([IDS[:PIECE_TOKENS + 1]], [model.new_cache()])  # over PIECE_TOKENS
     assert calls.count == 2 + len(model.layers) + 2  # a graph per layer, the head's two groups
-    caches = [model.new_cache(), model.new_cache()]
     calls.count = 0
-    model.forward([IDS[:1], IDS[1:2]], caches)  # two sequences: layer by layer
-    assert calls.count == 2 * len(model.layers) + 1  # each layer's graph and experts, the head
+    model.forward([IDS[:1], IDS[1:3]], [model.new_cache(), model.new_cache()])
+    assert calls.count == 1  # two sequences: one graph too
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("family", ["mixtral", "gemma3"])
+def test_several_sequences_in_one_graph_equal_the_layers_one_by_one(q8_files, family, kv_type):
+    """Three sequences at different lengths (one past a slot span, Gemma 3's rings wrapped),
+    prompt pieces beside decode steps, all rows and the last rows only."""
+    def run(model) -> list[torch.Tensor]:
+        caches, out = [model.new_cache() for _ in range(3)], []
+        for i, cache in enumerate(caches):  # 5, 270 and 40 positions
+            for start in range(0, (5, 270, 40)[i], PIECE_TOKENS):
+                model.forward([IDS[start:min(start + PIECE_TOKENS, (5, 270, 40)[i])]], [cache])
+        for step in range(6):
+            ids = [IDS[step:step + 1], IDS[step:step + 1 + step % 3], IDS[7:8]]
+            out += model.forward(ids, caches, last_only=step % 2 == 1)
+        return out
+
+    model = load_model(q8_files(family), kv_type=kv_type)
+    fast = run(model)
+    model.token_graph = None
+    assert all(torch.equal(a, b) for a, b in zip(fast, run(model)))
 
 
 def test_routing_reported_as_layer_by_layer(q8_files):

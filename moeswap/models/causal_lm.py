@@ -97,11 +97,8 @@ class CausalLM:
         batch = Batch(positions, spans, caches)
         if self.recorder is not None:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
-        if last_only:
-            spans = [(i, i + 1) for i in range(len(spans))]
-        if (self.token_graph is not None and len(caches) == 1
-                and self.token_graph.takes(lengths[0], caches[0])):
-            logits = self.token_graph(x, caches[0], batch.shared, last_only)  # [T or 1, V]
+        if self.token_graph is not None and self.token_graph.takes(lengths, caches):
+            logits = self.token_graph(x, caches, spans, batch.shared, last_only)  # [N or B, V]
         else:
             with torch_threads_for_step(len(positions)):  # decode: ggml's threads own the cores
                 for layer in self.layers:
@@ -116,7 +113,8 @@ class CausalLM:
             logits = torch.tanh(logits / c.final_logit_softcap) * c.final_logit_softcap
         for cache, n in zip(caches, lengths):
             cache.advance(n)
-        return [logits[start:end].float() for start, end in spans]
+        rows = [(i, i + 1) for i in range(len(spans))] if last_only else spans
+        return [logits[start:end].float() for start, end in rows]
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> [N, D] before the output head (a family with another norm overrides it)."""

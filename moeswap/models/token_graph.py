@@ -1,4 +1,4 @@
-"""A short step of one sequence as one ggml graph: every layer's nodes (its ``LayerGraph``:
+"""A short step of one or several sequences as one ggml graph: every layer's nodes (its ``LayerGraph``:
 attention, routing, experts or dense FFN), chained, then the final norm and the output head,
 the whole token as llama.cpp computes it (docs/KERNELS.md, "One graph per token").
 
@@ -43,32 +43,39 @@ class TokenGraph:
         self.graphs: list[LayerGraph] = [layer.graph for layer in layers]
         self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> graphs
 
-    def takes(self, n_tokens: int, cache: KVCache) -> bool:
-        """Whether a step of n_tokens new tokens on ``cache`` runs as one graph: few enough
-        tokens, and every layer's tensors together within the scratch's GRAPH_BYTES."""
-        if n_tokens > PIECE_TOKENS:
+    def takes(self, lengths: list[int], caches: list[KVCache]) -> bool:
+        """Whether a step of these sequences' new tokens runs as one graph: at most
+        PIECE_TOKENS each, every layer's tensors together within the scratch's GRAPH_BYTES."""
+        if max(lengths) > PIECE_TOKENS:
             return False
-        needed = n_tokens * (4 * self.head.vocabulary + 8 * self.head.width)  # the head's
+        n = sum(lengths)
+        needed = n * (4 * self.head.vocabulary + 8 * self.head.width)  # the head's
         for graph in self.graphs:
-            needed += n_tokens * graph.token_bytes(graph.room(cache, n_tokens))
+            needed += sum(t * graph.token_bytes(graph.room(cache, t))
+                          for t, cache in zip(lengths, caches))
         return needed <= GRAPH_BYTES
 
-    def __call__(self, x: torch.Tensor, cache: KVCache, shared: dict,
-                 last_only: bool) -> torch.Tensor:
-        """x [T, D] float32 -> logits [T, V], or [1, V] with ``last_only``; ``shared`` is the
-        forward's ``Batch.shared``. Reports each MoE layer's routing to its recorder."""
-        n, first = x.shape[0], cache.length
-        inputs = [x.to(torch.float32).contiguous(), shared_positions(shared, ((first, n),))]
+    def __call__(self, x: torch.Tensor, caches: list[KVCache], spans: list[tuple[int, int]],
+                 shared: dict, last_only: bool) -> torch.Tensor:
+        """x [N, D] float32, each sequence's rows ``spans`` [start, end) -> logits [N, V], or
+        each sequence's last row's [B, V] with ``last_only``; ``shared`` is the forward's
+        ``Batch.shared``. Reports each MoE layer's routing to its recorder."""
+        n = x.shape[0]
+        pieces = tuple((cache.length, end - start) for cache, (start, end) in zip(caches, spans))
+        inputs = [x.to(torch.float32).contiguous(), shared_positions(shared, pieces)]
         shapes, groups = [], {}
         for graph in self.graphs:
-            slots = graph.room(cache, n)
-            layout, n_slots = graph.claim(cache, slots, first, n, shared)
-            if layout not in groups:
-                groups[layout] = len(groups)
-                inputs += shared[layout]  # key slots, value slots, mask
-            shapes.append((slots, n_slots, groups[layout]))
-        graph, outputs = self._graph(cache, shapes, n, last_only)
-        logits = torch.empty(1 if last_only else n, self.head.vocabulary)
+            for cache, (start, end), (first, t) in zip(caches, spans, pieces):
+                slots = graph.room(cache, t)
+                layout, n_slots = graph.claim(cache, slots, first, t, shared)
+                if layout not in groups:
+                    groups[layout] = len(groups)
+                    inputs += shared[layout]  # key slots, value slots, mask
+                shapes.append((slots, start, t, n_slots, groups[layout]))
+        if last_only:
+            inputs.append(torch.tensor([end - 1 for _, end in spans], dtype=torch.int32))  # [B]
+        graph, outputs = self._graph(caches[0], shapes, len(caches), last_only)
+        logits = torch.empty(len(spans) if last_only else n, self.head.vocabulary)
         routing = [(layer, torch.empty(n, g.top_k, dtype=torch.int32), torch.empty(n, g.top_k))
                    for layer, g in zip(self.layers, self.graphs) if g.router is not None]
         more = [(t.data_ptr(), t.nbytes, offset) for (_, *tensors), offsets in zip(routing, outputs)
@@ -80,53 +87,57 @@ class TokenGraph:
             layer.ffn.report(None, ids, weights)
         return logits
 
-    def _graph(self, cache: KVCache, shapes: list, n: int, last_only: bool):
-        """The kept graph for this step's shape (built on first use) and the scratch offsets
-        of each MoE layer's (ids, weights)."""
+    def _graph(self, cache: KVCache, shapes: list, n_sequences: int, last_only: bool):
+        """The kept graph for this step's shapes (built on first use; kept with the first
+        sequence's cache) and the scratch offsets of each MoE layer's (ids, weights)."""
         kept = self._kept.get(cache)
         if kept is None:
             kept = self._kept[cache] = {}
             weakref.finalize(cache, _free_kept, self.ggml, kept)
-        key = (n, last_only, tuple((id(slots), n_slots, group) for slots, n_slots, group in shapes))
+        key = (last_only, tuple((id(slots), *shape) for slots, *shape in shapes))
         entry = kept.pop(key, None)
-        if entry is not None and any(ref() is not slots for ref, (slots, *_) in zip(entry[3], shapes)):
+        if entry is not None and any(ref() is not slots
+                                     for ref, (slots, *_) in zip(entry[3], shapes)):
             self.ggml.ggml_free(entry[1])  # a slots object died and another took its id
             entry = None
         if entry is None:
-            entry = (*self._build(shapes, n, last_only), [weakref.ref(s) for s, *_ in shapes])
+            entry = (*self._build(shapes, n_sequences, last_only),
+                     [weakref.ref(slots) for slots, *_ in shapes])
         kept[key] = entry  # most recent last
         if len(kept) > _KEPT:
             self.ggml.ggml_free(kept.pop(next(iter(kept)))[1])
         return entry[0], entry[2]
 
-    def _build(self, shapes: list, n: int, last_only: bool):
+    def _build(self, shapes: list, n_sequences: int, last_only: bool):
         """-> the graph (its input offsets, ``logits``' offset), its context and the MoE layers'
-        (ids, weights) offsets, for shapes (slots, S, layout group) per layer."""
-        ggml = self.ggml
-        n_nodes = HEAD_NODES + sum(g.n_nodes(1, n, True) for g in self.graphs)
+        (ids, weights) offsets, for shapes (slots, first row, T, S, layout group), a layer's
+        sequences one after the other."""
+        ggml, width = self.ggml, self.head.width
+        n = sum(t for _, _, t, _, _ in shapes[:n_sequences])
+        n_nodes = HEAD_NODES + sum(g.n_nodes(n_sequences, n, True) for g in self.graphs)
         context = new_context(ggml, n_nodes)
         try:
             arena = Arena(self.kernels, context)
-            x = arena.new(_F32, self.graphs[0].width, n)  # (D, T)
+            x = arena.new(_F32, width, n)  # (D, N)
             positions = arena.new(_I32, n)
             inputs, layouts, routing = [x, positions], {}, []
             graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
-            for layer_graph, (slots, n_slots, group) in zip(self.graphs, shapes):
-                outputs, writes = layer_graph.nodes(context, arena, x, positions,
-                                                    [(slots, 0, n, n_slots, group)], True,
+            for i, layer_graph in enumerate(self.graphs):
+                pieces = shapes[i * n_sequences:(i + 1) * n_sequences]
+                outputs, writes = layer_graph.nodes(context, arena, x, positions, pieces, True,
                                                     inputs, layouts)
                 for tensor in (*writes, outputs["out"]):  # a layer's writes before its scores
                     ggml.ggml_build_forward_expand(graph, tensor)
-                x = outputs["out"]  # (D, T)
+                x = outputs["out"]  # (D, N)
                 if "ids" in outputs:
                     routing.append(tuple(arena.offsets[outputs[name]] for name in ("ids", "weights")))
                     for name in ("ids", "weights"):
                         ggml.ggml_build_forward_expand(graph, outputs[name])
-            if last_only and n > 1:  # the last token's column alone (D, 1)
-                width = self.graphs[0].width
-                x = arena.view(ggml.ggml_view_2d(context, x, width, 1, width * 4,
-                                                 (n - 1) * width * 4))
-            logits = self.head.nodes(context, arena, x)  # (V, T)
+            if last_only:  # each sequence's last column (D, B)
+                last = arena.new(_I32, n_sequences)
+                inputs.append(last)
+                x = arena.op(ggml.ggml_get_rows(context, x, last))
+            logits = self.head.nodes(context, arena, x)  # (V, N or B)
             ggml.ggml_build_forward_expand(graph, logits)
             built = _Built(graph, tuple(arena.offsets[t] for t in inputs), arena.offsets[logits])
             return built, context, routing
