@@ -1,13 +1,13 @@
-"""The float expert runner (every routed expert held stacked in memory; HF folders and F32 GGUF
-files) and the expert activations every runner shares.
+"""The float expert runner (every routed expert held stacked in memory; HF folders) and the
+expert activations every runner shares.
 
-Quantized GGUF experts (MXFP4 included) are computed from their stored bytes by
+GGUF experts of every type (F32 and MXFP4 included) are computed from their stored bytes by
 ``quant_experts``; the offload work replaces the runners with a tiered store behind the same
 ``run`` call. An expert is everything the router's pick computes with: gate,
 up and down matrices plus, where the family has them, per-expert biases (GPT-OSS) and an
 output scale (Gemma 4's per_expert_scale, llama.cpp's ffn_down_exps.scale). Weights are
-whatever the weight source returns: zero-copy views of the mapped file for F32 GGUFs, decoded
-float32 otherwise.
+whatever the weight source returns: decoded float32 for a folder, zero-copy views of the
+mapped file where a test forces this runner onto an F32 GGUF.
 
 Legend: N tokens, M tokens routed to one expert, D model width, F expert width, X experts,
 K experts used per token.
