@@ -17,8 +17,9 @@ Legend: N tokens of the batch, D model width, H query heads, K kv heads, E head 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -91,11 +92,13 @@ class Gemma4Layer:
     moe: Gemma4MoE | None
     out_scale: torch.Tensor | None  # [1] layer_output_scale
     eps: float
-    # x -> h, the same in ggml (moeswap.models.gemma4_graph), where the loader could build it
+    # x -> h, or the layer's output, in ggml (moeswap.models.gemma4_graph): the loader's
     graph: Callable[[torch.Tensor, Batch], torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         n, eps = self.norms, self.eps
+        if self.graph is not None and self.graph.whole:  # the FFN too (gemma4_graph)
+            return self.graph(x, batch)
         if self.graph is not None:
             h = self.graph(x, batch)
         else:

@@ -24,7 +24,6 @@ from moeswap.quant.graph_arena import Arena, free_contexts
 MAX_PIECE_TOKENS = 512  # the most tokens one graph takes (llama.cpp's default ubatch)
 GRAPH_BYTES = 160 << 20  # the most a piece's tensors may take of the scratch's 256 MiB
 _KEPT_GRAPHS = 8  # graphs kept per layer and sequence (piece length, attended slots)
-_N_TENSORS = 128  # of one graph (nodes and views)
 F32, I32, I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "I32", "I64"))
 
 
@@ -33,6 +32,8 @@ class SequenceGraph:
     [N, D]; each sequence's tokens in pieces of at most MAX_PIECE_TOKENS."""
 
     dense = experts = None  # the FFN stays the layer's (no token graph chains these)
+    n_tensors = 128  # of one graph (nodes and views)
+    max_piece = MAX_PIECE_TOKENS  # tokens of one graph, at most
 
     def __init__(self, kernels: CpuKernels, layer: int, width: int, n_outputs: int,
                  key_shape: tuple[int, ...], value_shape: tuple[int, ...], window: int = 0):
@@ -74,7 +75,7 @@ class SequenceGraph:
             slots = cache.room(self.layer, end - start, self.key_shape, self.value_shape)
             fits = (GRAPH_BYTES - 4 * slots.keys[0].numel() * slots.capacity
                     ) // self.token_bytes(slots.capacity)
-            piece = max(1, min(MAX_PIECE_TOKENS, fits))
+            piece = max(1, min(self.max_piece, fits))
             for first in range(start, end, piece):
                 last = min(first + piece, end)
                 self._run(x[first:last], [out[first:last] for out in outputs], cache, slots,
@@ -118,8 +119,8 @@ class SequenceGraph:
     def _build(self, slots, t: int, n_slots: int) -> tuple:
         """-> (context, graph, input offsets, output offsets)."""
         ggml = self.ggml
-        size = (_N_TENSORS * ggml.ggml_tensor_overhead()
-                + ggml.ggml_graph_overhead_custom(_N_TENSORS, False))
+        size = (self.n_tensors * ggml.ggml_tensor_overhead()
+                + ggml.ggml_graph_overhead_custom(self.n_tensors, False))
         context = ggml.ggml_init(InitParams(size, None, True))
         try:
             arena = Arena(self.kernels, context)
@@ -128,7 +129,7 @@ class SequenceGraph:
                       "key_slots": arena.new(I64, t), "value_slots": arena.new(I64, value_slots),
                       "mask": arena.new(F32, n_slots, t)}
             first, outputs = self.nodes(context, arena, slots, inputs, t, n_slots)
-            graph = ggml.ggml_new_graph_custom(context, _N_TENSORS, False)
+            graph = ggml.ggml_new_graph_custom(context, self.n_tensors, False)
             for node in (*first, *outputs):  # the cache written before it is read
                 ggml.ggml_build_forward_expand(graph, node)
             return (context, graph, tuple(arena.offsets[i] for i in inputs.values()),
