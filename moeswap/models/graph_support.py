@@ -2,10 +2,10 @@
 
 What ggml is not asked to do keeps the torch code, which is also the graphs' reference: YaRN
 RoPE and its multiplier, Phi-3.5's long/short factors picked by context, attention sinks
-(GPT-OSS), soft-capping without a scaled q, attention of another class (Llama 4, Gemma 4),
-and routers other than a plain softmax. MLA attention has its own graph
-(moeswap.models.mla_graph), which reads f32 and f16 caches. ``--kv-type q8_0`` is read by the
-``LayerGraph`` alone.
+(GPT-OSS), soft-capping without a scaled q, attention of another class (Llama 4), and
+routers other than a plain softmax. MLA and Gemma 4 attention have graphs of their own
+(moeswap.models.mla_graph, gemma4_graph), which read f32 and f16 caches. ``--kv-type q8_0`` is
+read by the ``LayerGraph`` alone.
 """
 
 from __future__ import annotations
