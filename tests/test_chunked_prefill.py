@@ -79,13 +79,18 @@ def test_last_only_runs_the_head_on_each_sequences_last_position(runtime):
     short, long = prompt_ids(1, 3), prompt_ids(2, 9)
     full = model.forward([torch.tensor(short), torch.tensor(long)],
                          [model.new_cache(), model.new_cache()])  # [3, V], [9, V]
-    rows_seen, head = [], model.output
-    model.output = lambda x: rows_seen.append(x.shape[0]) or head(x)
+    # the layer-by-layer path's head (a token graph picks its last rows by get_rows:
+    # tests/test_token_graph.py), ggml's head graph or the torch head
+    where = "head_graph" if model.head_graph is not None else "output"
+    rows_seen, head, steps = [], getattr(model, where), model.token_graph
+    setattr(model, where, lambda x: rows_seen.append(x.shape[0]) or head(x))
+    model.token_graph = None
     try:
         last = model.forward([torch.tensor(short), torch.tensor(long)],
                              [model.new_cache(), model.new_cache()], last_only=True)
     finally:
-        model.output = head
+        setattr(model, where, head)
+        model.token_graph = steps
     assert rows_seen == [2]  # two rows through the head, not twelve
     with pytest.raises(ValueError, match="at least one new token"):  # no last row to give
         model.forward([torch.tensor(short), torch.tensor([], dtype=torch.long)],

@@ -95,7 +95,7 @@ def test_a_decode_step_is_one_compute_and_longer_steps_go_layer_by_layer(q8_file
     model.forward([IDS[PIECE_TOKENS:PIECE_TOKENS + 1]], [cache])
     assert calls.count == 2  # one prompt piece, one decode step: one graph each
     model.forward([IDS[:PIECE_TOKENS + 1]], [model.new_cache()])  # over PIECE_TOKENS
-    assert calls.count == 2 + len(model.layers) + 2  # a graph per layer, the head's two groups
+    assert calls.count == 2 + 1 + len(model.layers) + 2  # lookup, layers, the head's 2 groups
     calls.count = 0
     model.forward([IDS[:1], IDS[1:3]], [model.new_cache(), model.new_cache()])
     assert calls.count == 1  # two sequences: one graph too

@@ -91,15 +91,16 @@ class CausalLM:
         spans = [(end - n, end) for end, n in zip(ends, lengths)]
         positions = torch.cat([torch.arange(cache.length, cache.length + n)
                                for cache, n in zip(caches, lengths)])  # [N]
-        x = self.embedding(torch.cat([t.reshape(-1) for t in tokens]))  # [N, D]
-        if c.embedding_scale != 1.0:
-            x = x * c.embedding_scale
+        ids = torch.cat([t.reshape(-1) for t in tokens])  # [N]
         batch = Batch(positions, spans, caches)
         if self.recorder is not None:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
         if self.token_graph is not None and self.token_graph.takes(lengths, caches):
-            logits = self.token_graph(x, caches, spans, batch.shared, last_only)  # [N or B, V]
+            logits = self.token_graph(ids, caches, spans, batch.shared, last_only)  # [N or B, V]
         else:
+            x = self.embedding(ids)  # [N, D]
+            if c.embedding_scale != 1.0:
+                x = x * c.embedding_scale
             with torch_threads_for_step(len(positions)):  # decode: ggml's threads own the cores
                 for layer in self.layers:
                     x = layer(x, batch)

@@ -24,6 +24,7 @@ from moeswap.formats.tensor_shapes import check_shapes
 from moeswap.formats.validation import refuse_invalid
 from moeswap.models.blocks import KV_Q8_0
 from moeswap.models.causal_lm import CausalLM
+from moeswap.models.embedding_graph import EmbeddingGraph
 from moeswap.models.experts import ResidentExperts
 from moeswap.models import ggml_attention, ggml_ffn, head_graph, token_graph
 from moeswap.models.graph_support import refuse_q8_0_cache
@@ -149,6 +150,7 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
     if graphs and kernels is not None:
         ggml_ffn.attach(model.layers, kernels)  # first: a layer graph takes in its FFN's
         ggml_attention.attach(model.layers, kernels)
+        model.embedding = EmbeddingGraph(kernels, model.embedding)
         model.head_graph = head_graph.attach(model, kernels)
         model.token_graph = token_graph.attach(model, kernels)
     model.context, model.step_tokens = context_tokens, step_tokens

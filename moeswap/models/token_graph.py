@@ -1,6 +1,7 @@
-"""A short step of one or several sequences as one ggml graph: every layer's nodes (its ``LayerGraph``:
-attention, routing, experts or dense FFN), chained, then the final norm and the output head,
-the whole token as llama.cpp computes it (docs/KERNELS.md, "One graph per token").
+"""A short step of one or several sequences as one ggml graph: the token lookup, every layer's
+nodes (its ``LayerGraph``: attention, routing, experts or dense FFN), chained, then the final
+norm and the output head, the whole token as llama.cpp computes it (docs/KERNELS.md, "One graph
+per step").
 
 A graph per layer costs a compute call, copies in and out and the layer loop's Python per layer
 and token; this is one call per step. It takes a step where every layer's FFN runs in its layer
@@ -24,6 +25,7 @@ from gguf import GGMLQuantizationType
 
 from moeswap.models.blocks import KVCache
 from moeswap.models.causal_lm import CausalLM
+from moeswap.models.embedding_graph import EMBEDDING_NODES, EmbeddingGraph
 from moeswap.models.ggml_attention import GRAPH_BYTES, PIECE_TOKENS, LayerGraph, shared_positions
 from moeswap.models.head_graph import HEAD_NODES, HeadGraph
 from moeswap.quant import CpuKernels
@@ -34,11 +36,13 @@ _KEPT = 8  # graphs kept per cache: the attended span grows by SLOT_SPAN now and
 
 
 class TokenGraph:
-    """x [T, D] (the embedded tokens) and one cache -> logits [T, V] (or the last row's, [1, V]),
-    before the model's logit scale and soft-cap; writes the cache's keys and values."""
+    """Token ids and the sequences' caches -> logits (all rows, or each sequence's last), before
+    the model's logit scale and soft-cap; writes the caches' keys and values."""
 
-    def __init__(self, kernels: CpuKernels, layers: list, head: HeadGraph):
+    def __init__(self, kernels: CpuKernels, embedding: EmbeddingGraph, embedding_scale: float,
+                 layers: list, head: HeadGraph):
         self.kernels, self.ggml, self.head = kernels, kernels.ggml, head
+        self.embedding, self.embedding_scale = embedding, embedding_scale
         self.layers = layers  # with a ``graph`` (LayerGraph) each, and ``ffn`` for reports
         self.graphs: list[LayerGraph] = [layer.graph for layer in layers]
         self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> graphs
@@ -55,14 +59,14 @@ class TokenGraph:
                           for t, cache in zip(lengths, caches))
         return needed <= GRAPH_BYTES
 
-    def __call__(self, x: torch.Tensor, caches: list[KVCache], spans: list[tuple[int, int]],
+    def __call__(self, ids: torch.Tensor, caches: list[KVCache], spans: list[tuple[int, int]],
                  shared: dict, last_only: bool) -> torch.Tensor:
-        """x [N, D] float32, each sequence's rows ``spans`` [start, end) -> logits [N, V], or
+        """Token ids [N], each sequence's rows ``spans`` [start, end) -> logits [N, V], or
         each sequence's last row's [B, V] with ``last_only``; ``shared`` is the forward's
         ``Batch.shared``. Reports each MoE layer's routing to its recorder."""
-        n = x.shape[0]
+        n = ids.numel()
         pieces = tuple((cache.length, end - start) for cache, (start, end) in zip(caches, spans))
-        inputs = [x.to(torch.float32).contiguous(), shared_positions(shared, pieces)]
+        inputs = [self.embedding.checked(ids), shared_positions(shared, pieces)]
         shapes, groups = [], {}
         for graph in self.graphs:
             for cache, (start, end), (first, t) in zip(caches, spans, pieces):
@@ -112,15 +116,19 @@ class TokenGraph:
         """-> the graph (its input offsets, ``logits``' offset), its context and the MoE layers'
         (ids, weights) offsets, for shapes (slots, first row, T, S, layout group), a layer's
         sequences one after the other."""
-        ggml, width = self.ggml, self.head.width
+        ggml = self.ggml
         n = sum(t for _, _, t, _, _ in shapes[:n_sequences])
-        n_nodes = HEAD_NODES + sum(g.n_nodes(n_sequences, n, True) for g in self.graphs)
+        n_nodes = EMBEDDING_NODES + HEAD_NODES + sum(g.n_nodes(n_sequences, n, True)
+                                                     for g in self.graphs)
         context = new_context(ggml, n_nodes)
         try:
             arena = Arena(self.kernels, context)
-            x = arena.new(_F32, width, n)  # (D, N)
+            ids = arena.new(_I32, n)
             positions = arena.new(_I32, n)
-            inputs, layouts, routing = [x, positions], {}, []
+            inputs, layouts, routing = [ids, positions], {}, []
+            x = self.embedding.nodes(context, arena, ids)  # (D, N)
+            if self.embedding_scale != 1.0:
+                x = arena.op(ggml.ggml_scale(context, x, self.embedding_scale))
             graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
             for i, layer_graph in enumerate(self.graphs):
                 pieces = shapes[i * n_sequences:(i + 1) * n_sequences]
@@ -130,9 +138,10 @@ class TokenGraph:
                     ggml.ggml_build_forward_expand(graph, tensor)
                 x = outputs["out"]  # (D, N)
                 if "ids" in outputs:
-                    routing.append(tuple(arena.offsets[outputs[name]] for name in ("ids", "weights")))
-                    for name in ("ids", "weights"):
-                        ggml.ggml_build_forward_expand(graph, outputs[name])
+                    picks = (outputs["ids"], outputs["weights"])
+                    routing.append(tuple(arena.offsets[t] for t in picks))
+                    for tensor in picks:
+                        ggml.ggml_build_forward_expand(graph, tensor)
             if last_only:  # each sequence's last column (D, B)
                 last = arena.new(_I32, n_sequences)
                 inputs.append(last)
@@ -156,12 +165,13 @@ class _Built:
 def attach(model: CausalLM, kernels: CpuKernels) -> TokenGraph | None:
     """The model's token graph, where every layer's FFN runs in its layer graph and the head
     has its graph (else None: such models run layer by layer)."""
-    if model.head_graph is None or not all(
+    if model.head_graph is None or not isinstance(model.embedding, EmbeddingGraph) or not all(
             getattr(layer, "graph", None) is not None
             and (layer.graph.dense is not None or layer.graph.experts is not None)
             for layer in model.layers):
         return None
-    return TokenGraph(kernels, model.layers, model.head_graph)
+    return TokenGraph(kernels, model.embedding, model.config.embedding_scale, model.layers,
+                      model.head_graph)
 
 
 def _free_kept(ggml, kept: dict) -> None:
