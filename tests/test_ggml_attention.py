@@ -71,13 +71,9 @@ def test_what_ggml_is_not_asked_keeps_the_torch_path(q8_files, family):
                                     "glm4moe"])
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_q8_0_logits_equal_llama_cpps_bit_for_bit(q8_files, family, kv_type):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
     path = q8_files(family)
-    kind = {"f32": 0, "f16": 1}[kv_type]
-    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, type_k=kind,
-                          type_v=kind, flash_attn=False, n_threads=2, verbose=False)
-    llm.eval(PROMPT.tolist())
-    reference = np.array(llm.scores[:len(PROMPT)], dtype=np.float32)
+    reference = tiny_models.llama_cpp_scores(path, PROMPT, {"f32": 0, "f16": 1}[kv_type])
     assert np.array_equal(logits(load_model(path, kv_type=kv_type), PROMPT).numpy(), reference)
 
 

@@ -228,6 +228,18 @@ def relative_error(out, ref) -> float:
     return float((out - ref).abs().max() / ref.abs().max())
 
 
+def llama_cpp_scores(path, ids: torch.Tensor, kv_type: int = 0, n_ctx: int = 64):
+    """llama.cpp's float32 logits [T, V] (numpy) for ids [T] on the GGUF at path, without flash
+    attention (llama-cpp-python's default), its cache of GGML type kv_type (0 f32, 1 f16)."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=64, logits_all=True, type_k=kv_type,
+                          type_v=kv_type, flash_attn=False, n_threads=2, verbose=False)
+    llm.eval(ids.tolist())
+    return np.array(llm.scores[:len(ids)], dtype=np.float32)
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
