@@ -7,8 +7,8 @@ The MLA graph mirrors llama.cpp's deepseek2 graph with MLA absorbed (latent rows
 cached keys, values read from them) and its attention without flash attention, so Q8_0 files
 give llama.cpp's logits bit for bit with an f32 and an f16 cache: with and without query
 compression (deepseek2 / deepseek2_lite) and with V3's routing, all with YaRN RoPE. Gemma 4's
-Q8_0 logits are 1.3e-7 from llama.cpp's with the graph as with the torch attention: the rest
-of its layer (routing, experts) parts from llama.cpp, not its attention.
+graph is its whole layer where the FFN can join: its Q8_0 and f32 files give llama.cpp's
+logits bit for bit up to the final soft-cap, whose tanh is torch's.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
 from moeswap.models.gemma4_graph import Gemma4AttentionGraph
 from moeswap.models.mla_graph import MlaLayerGraph
+from moeswap.quant.ggml_lib import InitParams
+from moeswap.quant.graph_arena import Arena
 
 PROMPT = torch.randint(0, tiny_models.VOCAB, (40,), generator=torch.Generator().manual_seed(3))
 GRAPHS = {"deepseek2": MlaLayerGraph, "deepseek2_lite": MlaLayerGraph,
@@ -88,6 +90,38 @@ def test_q8_0_logits_equal_llama_cpps_bit_for_bit(gguf_files, family, kv_type):
     path = gguf_files(family)
     reference = tiny_models.llama_cpp_scores(path, PROMPT, {"f32": 0, "f16": 1}[kv_type])
     assert np.array_equal(logits(load_model(path, kv_type=kv_type), PROMPT).numpy(), reference)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("kind", ["q8_0", "f32"])
+def test_gemma4_is_llama_cpps_graph_up_to_the_final_soft_cap(gguf_files, monkeypatch, kind):
+    """Given ggml's GELU (as tests/test_llama_cpp_logits.py gives it) and ggml's soft-cap ops
+    on moeswap's uncapped logits, Gemma 4's logits with an f16 cache are llama.cpp's bit for
+    bit, f32 file too: every layer is llama.cpp's graph; the final soft-cap's tanh is torch's
+    (1.6e-7 from llama.cpp's)."""
+    pytest.importorskip("llama_cpp", reason="compares against llama-cpp-python")
+    from test_llama_cpp_logits import use_ggml_gelu
+
+    use_ggml_gelu(monkeypatch)
+    path = gguf_files("gemma4", kind)
+    model = load_model(path, kv_type="f16")
+    cap = model.config.final_logit_softcap
+    monkeypatch.setattr(model.config, "final_logit_softcap", 0.0)
+    uncapped = logits(model, PROMPT).contiguous()  # [T, V]
+    kernels, ggml = model.layers[0].graph.kernels, model.layers[0].graph.ggml
+    context = ggml.ggml_init(InitParams(8 * ggml.ggml_tensor_overhead()
+                                        + ggml.ggml_graph_overhead_custom(8, False), None, True))
+    arena = Arena(kernels, context)
+    x = arena.new(0, uncapped.shape[1], uncapped.shape[0])
+    y = arena.op(ggml.ggml_scale(context, arena.op(ggml.ggml_tanh(context, arena.op(
+        ggml.ggml_scale(context, x, float(np.float32(1.0) / np.float32(cap)))))), cap))
+    graph = ggml.ggml_new_graph_custom(context, 8, False)
+    ggml.ggml_build_forward_expand(graph, y)
+    capped = torch.empty_like(uncapped)
+    kernels.run(graph, [(arena.offsets[x], uncapped.data_ptr(), uncapped.nbytes)],
+                (capped.data_ptr(), capped.nbytes), arena.offsets[y])
+    ggml.ggml_free(context)
+    assert np.array_equal(capped.numpy(), tiny_models.llama_cpp_scores(path, PROMPT, 1))
 
 
 @pytest.mark.parametrize("family", ["deepseek2", "gemma4"])
