@@ -78,6 +78,7 @@ class Gemma4AttentionGraph(SequenceGraph):
         self.routed = moe.experts.fused(moe.layer) if self.router else None
         if self.router is not None:
             self.max_piece = MAX_TOKENS_PER_CALL  # the store's groups of tokens
+            self.n_tensors += 16 * self.router.top_k  # the experts' nodes per pick
         norms = dict(layer.norms, router_scale=moe.router_scale if moe else None,
                      pre_ffw_norm_2=moe.pre_norm if moe else None,
                      out_scale=layer.out_scale) if self.whole else {}
