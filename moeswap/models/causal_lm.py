@@ -10,6 +10,7 @@ Legend: N tokens of the batch, T tokens of one sequence, D model width, V vocabu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable
 
 import torch
@@ -87,17 +88,17 @@ class CausalLM:
         lengths = [int(t.numel()) for t in tokens]
         if last_only and 0 in lengths:
             raise ValueError("last_only needs at least one new token in every sequence")
-        ends = torch.tensor(lengths).cumsum(0).tolist()
+        ends = list(accumulate(lengths))
         spans = [(end - n, end) for end, n in zip(ends, lengths)]
-        positions = torch.cat([torch.arange(cache.length, cache.length + n)
-                               for cache, n in zip(caches, lengths)])  # [N]
         ids = torch.cat([t.reshape(-1) for t in tokens])  # [N]
-        batch = Batch(positions, spans, caches)
         if self.recorder is not None:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
         if self.token_graph is not None and self.token_graph.takes(lengths, caches):
-            logits = self.token_graph(ids, caches, spans, batch.shared, last_only)  # [N or B, V]
+            logits = self.token_graph(ids, caches, spans, {}, last_only)  # [N or B, V]
         else:
+            positions = torch.cat([torch.arange(cache.length, cache.length + n)
+                                   for cache, n in zip(caches, lengths)])  # [N]
+            batch = Batch(positions, spans, caches)
             x = self.embedding(ids)  # [N, D]
             if c.embedding_scale != 1.0:
                 x = x * c.embedding_scale

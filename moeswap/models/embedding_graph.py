@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -48,7 +49,8 @@ class EmbeddingGraph:
         """ids [N] as ggml takes them, int32 [N]; ValueError for an id outside the table
         (ggml would abort the process)."""
         ids = ids.reshape(-1).to(torch.int32).contiguous()  # [N]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocabulary):
+        # As unsigned, negative ids become huge: one reduction checks both ends.
+        if ids.numel() and int(ids.numpy().view(np.uint32).max()) >= self.vocabulary:
             raise ValueError(f"token ids must lie in [0, {self.vocabulary}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
         return ids
