@@ -114,7 +114,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
          tokenizer_cache_dir: str | os.PathLike | None = None, recorder: Any = None,
          replay_routing: str | os.PathLike | None = None, context_tokens: int = 0,
          step_tokens: int = 0, chat_template: str | None = None, kv_type: str = "f32",
-         force: bool = False, repack: bool = False) -> Runtime:
+         force: bool = False, repack: bool = False, in_ram: bool = False) -> Runtime:
     """Open a .gguf file or a Hugging Face folder.
 
     threads: the kernels' threads and torch's intra-op threads (torch's is process-wide);
@@ -136,6 +136,8 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     default it is refused in one line before anything is built.
     repack: dense quantized matrices in ggml's repacked CPU layouts (models.loader.load_model;
     the command line's default, off with --exact-tiers).
+    in_ram: a resident GGUF model's data copied into RAM with huge pages (models.loader.load_model;
+    the command line's default where it fits, off with --mmap).
     """
     from moeswap.models import load_model
     from moeswap.routing.replay import RoutingReplay
@@ -159,7 +161,7 @@ def load(path: str | os.PathLike, *, threads: int | None = None,
     model = load_model(path, verbose_log=verbose_log, threads=threads, expert_runner=expert_runner,
                        recorder=recorder, replay=replay, context_tokens=context_tokens,
                        step_tokens=step_tokens, kv_type=kv_type, validate=False,
-                       repack=repack)
+                       repack=repack, in_ram=in_ram)
     return Runtime(model, tokenizer, expert_runner, replay, chat_template)
 
 

@@ -34,6 +34,7 @@ class MoeswapSession:
 def run(spec: RunSpec) -> dict:
     from moeswap import runtime as engine
     from moeswap.experts.build import load_options
+    from moeswap.planner.auto import fits_in_ram
     from moeswap.planner.probe import cost_model_rates
 
     memory = MemoryTrace()
@@ -42,7 +43,8 @@ def run(spec: RunSpec) -> dict:
                          cost_model_rates(spec.offload, spec.threads))
     began = time.perf_counter()
     runtime = engine.load(spec.model, threads=spec.threads, replay_routing=spec.replay_routing,
-                          repack=True, **store)  # as moeswap run, and llama.cpp by default
+                          repack=True, in_ram=spec.offload is None and fits_in_ram(spec.model),
+                          **store)  # as moeswap run
     load_s = time.perf_counter() - began
     if store:
         memory.stats = runtime.stats

@@ -139,13 +139,28 @@ def offload_settings(args, budgets: tuple[int | None, int] | None = None, *,
         prefetch=args.prefetch, prefetch_depth=args.prefetch_depth, miss_lowbit=args.miss_lowbit)
 
 
-def offload_load_options(settings, charge, threads: int | None) -> dict:
+def offload_load_options(settings, charge, threads: int | None, model_path=None,
+                         mmap: bool = True) -> dict:
     """``moeswap.load``'s options for ``settings`` (None: all resident): the store paying
-    ``charge``, with this machine's probed rates where the cost model needs them."""
+    ``charge``, with this machine's probed rates where the cost model needs them; a resident
+    model's weights copied into RAM (``in_ram``) unless ``mmap`` or the RAM free cannot hold
+    them."""
     from moeswap.experts.build import load_options
+    from moeswap.planner.auto import fits_in_ram
     from moeswap.planner.probe import cost_model_rates
 
-    return load_options(settings, charge, cost_model_rates(settings, threads))
+    options = load_options(settings, charge, cost_model_rates(settings, threads))
+    if settings is None and not mmap and model_path is not None:
+        options["in_ram"] = fits_in_ram(model_path)
+    return options
+
+
+def add_mmap_argument(p: argparse.ArgumentParser) -> None:
+    """``--mmap``, as `moeswap run`, `chat` and `serve` share it."""
+    p.add_argument("--mmap", action="store_true",
+                   help="compute a resident model from the mapped file (llama.cpp's default) "
+                        "instead of a copy in RAM with huge pages, made where the free RAM "
+                        "holds it (faster decode; the RAM is the process's own)")
 
 
 def stats_lines(stats: dict) -> list[str]:

@@ -9,7 +9,8 @@ from rich.console import Console
 from moeswap.cli.common_args import (add_force_argument, add_model_argument,
                                      add_threads_argument, warn_beyond_training)
 from moeswap.cli.load_report import load_progress
-from moeswap.cli.offload_args import (add_exact_tiers_argument, add_kv_type_argument,
+from moeswap.cli.offload_args import (add_exact_tiers_argument, add_mmap_argument,
+                                      add_kv_type_argument,
                                       add_offload_arguments,
                                       add_step_tokens_argument,
                                       offload_load_options, offload_settings, stats_lines)
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
     add_step_tokens_argument(p)
     add_kv_type_argument(p)
     add_exact_tiers_argument(p)
+    add_mmap_argument(p)
     add_offload_arguments(p)
     add_force_argument(p)
     p.add_argument("--plan", choices=["auto"],
@@ -75,7 +77,8 @@ def run_generate(args) -> int:
                                force=True, repack=not args.exact_tiers,
                                recorder=recorder, replay_routing=args.replay_routing,
                                **offload_load_options(settings, HostCharge.for_sequence(
-                                   context, step, args.kv_type), args.threads))
+                                   context, step, args.kv_type), args.threads, model_path,
+                                   args.mmap))
         if recorder is not None and not runtime.config.moe_layers:
             raise MoeswapError(f"{model_path}: this {runtime.config.arch} model has no routed "
                                "experts; there is no routing to trace (drop --trace)")

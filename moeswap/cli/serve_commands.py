@@ -5,7 +5,8 @@ from __future__ import annotations
 from moeswap.cli.common_args import (add_force_argument, add_model_argument,
                                      add_threads_argument, default_ctx, warn_beyond_training)
 from moeswap.cli.load_report import load_progress, memory_summary
-from moeswap.cli.offload_args import (add_exact_tiers_argument, add_kv_type_argument,
+from moeswap.cli.offload_args import (add_exact_tiers_argument, add_mmap_argument,
+                                      add_kv_type_argument,
                                       add_offload_arguments,
                                       add_step_tokens_argument,
                                       offload_load_options, offload_settings)
@@ -30,6 +31,7 @@ def _add_model_arguments(p, ctx_help: str, step_scope: str = "", required: bool 
     add_step_tokens_argument(p, step_scope)
     add_kv_type_argument(p)
     add_exact_tiers_argument(p)
+    add_mmap_argument(p)
     add_offload_arguments(p)
     add_force_argument(p)
     p.add_argument("--plan", choices=["auto", "off"], default=None,
@@ -96,7 +98,8 @@ def _load(args, charge, progress, recorder=None):
     runtime = moeswap.load(args.model, threads=args.threads, replay_routing=args.replay_routing,
                            repack=not args.exact_tiers, force=True, recorder=recorder,
                            chat_template=template, verbose_log=progress[1],
-                           **offload_load_options(settings, charge, args.threads))
+                           **offload_load_options(settings, charge, args.threads, args.model,
+                                                  args.mmap))
     if runtime.chat_template_fallback:
         print(f"moeswap: warning: {args.model} has no chat template: chat uses the {FALLBACK} "
               "one (role: text lines); give --chat-template FILE or chatml, llama3, gemma",

@@ -18,6 +18,7 @@ import torch
 from moeswap.errors import MoeswapError
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.formats.gguf_in_ram import copy_into_ram
 from moeswap.formats.gguf_weights import GGUFWeights
 from moeswap.formats.safetensors_weights import SafetensorsWeights
 from moeswap.formats.tensor_shapes import check_shapes
@@ -48,7 +49,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
                recorder: DecisionRecorder | None = None, replay: Any = None,
                context_tokens: int = 0, step_tokens: int = 0, kv_type: str = "f32",
                validate: bool = True, repack: bool = False,
-               graphs: bool = True) -> CausalLM:
+               graphs: bool = True, in_ram: bool = False) -> CausalLM:
     """Open a .gguf file or a HF folder (config.json + *.safetensors) and build its model.
 
     threads: the kernels' thread count (default: every core this process may use).
@@ -71,6 +72,9 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     graphs: a GGUF layer's attention with its norms (moeswap.models.ggml_attention) and its
     dense feed-forwards (moeswap.models.ggml_ffn) as ggml graphs; False keeps the torch
     reference path.
+    in_ram: a resident GGUF model's data copied into anonymous memory with transparent huge
+    pages before anything binds it (moeswap.formats.gguf_in_ram); ignored with an expert
+    runner, whose store reads the file itself.
     Any other failure while building is one MoeswapError naming the file and the tensor last
     bound, never a traceback.
     """
@@ -78,7 +82,7 @@ def load_model(path: str | Path, *, verbose_log: Callable[[str], None] | None = 
     last = _LastTensor(verbose_log)
     try:
         return _load_model(path, last, threads, expert_runner, recorder, replay, context_tokens,
-                           step_tokens, kv_type, validate, repack, graphs)
+                           step_tokens, kv_type, validate, repack, graphs, in_ram)
     except MoeswapError:
         raise
     except Exception as e:  # a damaged file must end in one line, not a traceback
@@ -104,7 +108,7 @@ class _LastTensor:
 def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | None,
                 expert_runner: ExpertRunnerFactory | None, recorder: DecisionRecorder | None,
                 replay: Any, context_tokens: int, step_tokens: int, kv_type: str,
-                validate: bool, repack: bool, graphs: bool) -> CausalLM:
+                validate: bool, repack: bool, graphs: bool, in_ram: bool) -> CausalLM:
     if kv_type not in KV_DTYPES:
         raise MoeswapError(f"unknown KV cache type {kv_type!r}; use one of {', '.join(KV_DTYPES)}")
     source: Any
@@ -114,6 +118,8 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
         config, source = weights.config, path
     elif path.exists():
         source = gguf = GGUFFile.open(path)
+        if in_ram and expert_runner is None:
+            copy_into_ram(gguf)
         if validate:
             refuse_invalid(gguf)
         config = config_from_gguf(source)

@@ -96,6 +96,21 @@ def machine_memory(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGR
     return Machine(total, free, gpu)
 
 
+def fits_in_ram(model_path) -> bool:
+    """Whether a copy of the GGUF model's files fits the RAM free (or its cgroup's room) with
+    the runtime's reserve to spare: a folder, or a model that does not fit, stays mapped."""
+    path = Path(model_path)
+    if not path.is_file():
+        return False
+    gguf = GGUFFile.open(path)
+    try:
+        size = gguf.total_size
+    finally:
+        gguf.close()
+    machine = machine_memory()
+    return size + machine.reserve <= machine.free_ram
+
+
 def device_computable(path: str | Path) -> bool:
     """Whether every routed expert matrix has a type the CUDA device tier computes."""
     from moeswap.experts.device import DEVICE_TYPES
