@@ -39,7 +39,10 @@ def llama_cpp_logits(path, kv_type: int = GGML_TYPE_F32) -> np.ndarray:
 
 
 def moeswap_logits(path, kv_type: str = "f32") -> np.ndarray:
-    model = load_model(path, kv_type=kv_type)
+    """As `moeswap run` computes (repacked layouts, which F32 weights do not take): Gemma 4's
+    routed experts join its layer graph only then (under --exact-tiers its store-equal torch
+    FFN is 2.4e-4 from llama.cpp with an f16 cache)."""
+    model = load_model(path, kv_type=kv_type, repack=True)
     return model.forward([PROMPT], [model.new_cache()])[0].double().numpy()
 
 

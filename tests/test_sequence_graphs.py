@@ -104,7 +104,7 @@ def test_gemma4_is_llama_cpps_graph_up_to_the_final_soft_cap(gguf_files, monkeyp
 
     use_ggml_gelu(monkeypatch)
     path = gguf_files("gemma4", kind)
-    model = load_model(path, kv_type="f16")
+    model = load_model(path, kv_type="f16", repack=True)  # as `moeswap run`: experts in the graph
     cap = model.config.final_logit_softcap
     monkeypatch.setattr(model.config, "final_logit_softcap", 0.0)
     uncapped = logits(model, PROMPT).contiguous()  # [T, V]

@@ -14,7 +14,7 @@ import mmap
 from pathlib import Path
 
 from moeswap.errors import MoeswapError
-from moeswap.formats.gguf_file import GGUFFile
+from moeswap.formats.gguf_file import GGUFFile, TensorInfo
 
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _CHUNK = 64 << 20  # bytes read per call (a progress step)
@@ -48,6 +48,19 @@ def copy_into_ram(gguf: GGUFFile) -> None:
             copy.close()
             raise
         piece.buffer = copy
+        piece.in_ram = True
+
+
+def release(gguf: GGUFFile, info: TensorInfo) -> None:
+    """Give back the RAM copy's pages wholly inside a tensor that is no longer read (ggml holds
+    a repacked copy of it): the copy would hold the tensor twice. A mapped file: nothing."""
+    piece = gguf.piece_of(info)
+    if not getattr(piece, "in_ram", False):
+        return
+    start = -(-info.data_start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = info.data_end // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        piece.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
 def _read_whole(path: Path, copy: mmap.mmap, size: int) -> None:

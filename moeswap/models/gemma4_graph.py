@@ -72,8 +72,11 @@ class Gemma4AttentionGraph(SequenceGraph):
         moe = layer.moe
         self.dense_ffn = (layer.ffn.graph if isinstance(layer.ffn.graph, DenseFfnGraph)
                           else None)
+        # Routed experts join only where tiers need not agree bit for bit (repacked layouts,
+        # no --exact-tiers): the store's runs keep the torch FFN around their experts.
         self.whole = self.dense_ffn is not None and (moe is None or (
-            moe.recorder is None and isinstance(moe.experts, QuantResidentExperts)))
+            kernels.repack and moe.recorder is None
+            and isinstance(moe.experts, QuantResidentExperts)))
         self.router = GraphRouter(kernels, moe.router) if self.whole and moe else None
         self.routed = moe.experts.fused(moe.layer) if self.router else None
         if self.router is not None:

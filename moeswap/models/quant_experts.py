@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.formats.gguf_in_ram import release
 from moeswap.models.experts import ACTIVATIONS, OAI_ALPHA, OAI_LIMIT
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels, QuantExperts
 from moeswap.quant.moe_graph import Glu, MoeFfn, weight_stacks
@@ -213,8 +214,13 @@ class QuantResidentExperts:
         self._vectors: dict[int, dict[str, torch.Tensor]] = {}  # layer -> part -> [X, O]
         for i, layout in self.layouts.items():
             for kind, part in layout.matrices.items():
-                self._stacks[i, kind] = kernels.experts(
-                    _stack_bytes(gguf, part), part.ggml_type, (*part.ne, part.n_experts), part.name)
+                # repacked (a copy) where the kernels repack: the products then leave the
+                # store's plain ones in the last bits, as --exact-tiers allows
+                stack = self._stacks[i, kind] = kernels.experts(
+                    _stack_bytes(gguf, part), part.ggml_type, (*part.ne, part.n_experts), part.name,
+                    repack=kernels.repack)
+                if stack.weight.keep_alive is None:  # repacked: the stored bytes go unread
+                    release(gguf, gguf.tensor(part.name))
             self._vectors[i] = {}
             for kind, part in layout.biases.items():
                 raw = _stack_bytes(gguf, part)

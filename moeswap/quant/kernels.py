@@ -105,10 +105,15 @@ class CpuKernels:
             weight = _repacked(self.ggml, weight) or weight
         return QuantMatrix(self, weight)
 
-    def experts(self, raw, ggml_type: int, ne: tuple[int, int, int], name: str = "weight"
-                ) -> QuantExperts:
-        """Bind an expert stack of GGUF shape ``ne = (in, out, E)`` stored in ``raw``."""
-        return QuantExperts(self, _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 3, name))
+    def experts(self, raw, ggml_type: int, ne: tuple[int, int, int], name: str = "weight",
+                repack: bool = False) -> QuantExperts:
+        """Bind an expert stack of GGUF shape ``ne = (in, out, E)`` stored in ``raw``;
+        ``repack``: copied into ggml's repacked layout where it has one (``mul_mat_id`` over
+        the repacked stack; a resident model's, never a store's slots)."""
+        weight = _bind_weight(self.ggml, raw, ggml_type, tuple(ne), 3, name)
+        if repack:
+            weight = _repacked(self.ggml, weight) or weight
+        return QuantExperts(self, weight)
 
     def bind(self, raw, ggml_type: int, ne: tuple[int, ...], name: str = "weight") -> _Weight:
         """A tensor of GGUF shape ``ne`` (2 or 3 dimensions) on ``raw``, not copied: for graphs

@@ -24,7 +24,7 @@ import sys
 
 from moeswap.quant.ggml_lib import GGML, InitParams
 
-_F32 = 0
+_F32, _I32 = 0, 26  # GGML_TYPE_F32, GGML_TYPE_I32
 _REPACK_NAME = b"CPU_REPACK"
 
 
@@ -72,23 +72,30 @@ def _repack_buffer_type(ggml: GGML) -> tuple[int, int] | None:
     return None
 
 
-def repacked_matrix(ggml: GGML, data, ggml_type: int, ne: tuple[int, int]
+def repacked_matrix(ggml: GGML, data, ggml_type: int, ne: tuple[int, ...]
                     ) -> tuple[int, int, int] | None:
-    """A weight of GGUF shape ``ne = (in, out)`` copied from ``data`` (its stored bytes, a
-    uint8 numpy array) into ggml's repacked layout -> (context, tensor, buffer) for the caller
-    to free, or None where ggml does not repack this type and shape on this CPU."""
+    """A weight of GGUF shape ``ne = (in, out)``, or a stack ``(in, out, X)`` for
+    ``mul_mat_id``, copied from ``data`` (its stored bytes, a uint8 numpy array) into ggml's
+    repacked layout -> (context, tensor, buffer) for the caller to free, or None where ggml
+    does not repack this type and shape on this CPU."""
     found = _repack_buffer_type(ggml)
     if found is None:
         return None
     device, buft = found
     _quiet_log(ggml)
-    context = ggml.ggml_init(InitParams(3 * ggml.ggml_tensor_overhead(), None, True))
-    tensor = ggml.ggml_new_tensor_2d(context, ggml_type, *ne)
+    context = ggml.ggml_init(InitParams(4 * ggml.ggml_tensor_overhead(), None, True))
+    tensor = (ggml.ggml_new_tensor_2d(context, ggml_type, *ne) if len(ne) == 2
+              else ggml.ggml_new_tensor_3d(context, ggml_type, *ne))
     buffer = ggml.ggml_backend_buft_alloc_buffer(buft, ggml.ggml_backend_buft_get_alloc_size(
         buft, tensor))
     # placing it runs the buffer's init_tensor, which picks ggml's repack for the tensor (or none)
     status = ggml.ggml_backend_tensor_alloc(buffer, tensor, ggml.ggml_backend_buffer_get_base(buffer))
-    probe = ggml.ggml_mul_mat(context, tensor, ggml.ggml_new_tensor_2d(context, _F32, ne[0], 1))
+    if len(ne) == 2:
+        probe = ggml.ggml_mul_mat(context, tensor, ggml.ggml_new_tensor_2d(context, _F32, ne[0], 1))
+    else:  # one token picking one expert: (in, 1, 1) rows, (1, 1) ids
+        probe = ggml.ggml_mul_mat_id(context, tensor,
+                                     ggml.ggml_new_tensor_3d(context, _F32, ne[0], 1, 1),
+                                     ggml.ggml_new_tensor_2d(context, _I32, 1, 1))
     if status != 0 or not ggml.ggml_backend_dev_supports_op(device, probe):
         ggml.ggml_backend_buffer_free(buffer)
         ggml.ggml_free(context)
