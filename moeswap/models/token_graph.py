@@ -43,7 +43,7 @@ class TokenGraph:
                  layers: list, head: HeadGraph):
         self.kernels, self.ggml, self.head = kernels, kernels.ggml, head
         self.embedding, self.embedding_scale = embedding, embedding_scale
-        self.layers = layers  # with a ``graph`` (LayerGraph) each, and ``ffn`` for reports
+        self.layers = list(layers)  # with a ``graph`` (LayerGraph) each, ``ffn`` for reports
         self.graphs: list[LayerGraph] = [layer.graph for layer in layers]
         self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> graphs
 
