@@ -59,6 +59,7 @@ _SIGNATURES = {
     "ggml_mul": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
     "ggml_swiglu_split": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
     "ggml_tanh": (_VOID_P, [_VOID_P, _VOID_P]),
+    "ggml_silu": (_VOID_P, [_VOID_P, _VOID_P]),
     "ggml_gelu": (_VOID_P, [_VOID_P, _VOID_P]),  # llama.cpp's GELU (an f16 table on the CPU)
     "ggml_scale": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float]),
     "ggml_scale_bias": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),

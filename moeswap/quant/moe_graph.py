@@ -267,13 +267,17 @@ def _build(ffn: MoeFfn, stage: str, n_tokens: int, n_picked: int) -> _Graph:
 
 
 def gelu_tanh(ggml: GGML, context: int, arena: Arena, x: int) -> int:
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), from ggml's exact ops: its own gelu
-    reads an fp16 table on the CPU (1e-3 off torch's; llama.cpp takes that)."""
-    cube = arena.op(ggml.ggml_mul(context, arena.op(ggml.ggml_mul(context, x, x)), x))
-    inner = arena.op(ggml.ggml_add(context, x, arena.op(ggml.ggml_scale(context, cube, 0.044715))))
-    tanh = arena.op(ggml.ggml_tanh(context, arena.op(ggml.ggml_scale(context, inner, _SQRT_2_PI))))
-    return arena.op(ggml.ggml_mul(context, x, arena.op(ggml.ggml_scale_bias(context, tanh, 0.5,
-                                                                             0.5))))
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) from ggml's vectorized ops: since
+    0.5 (1 + tanh(u)) = sigmoid(2u), it is silu(v) / (2c (1 + a x^2)) with v = 2c x (1 + a x^2),
+    c = sqrt(2/pi), a = 0.044715 (the divisor >= 2c, never 0). ggml's own gelu reads an fp16
+    table on the CPU (1e-3 off torch's; llama.cpp takes that); its tanh is scalar libm, ~9x the
+    time of a prompt piece's FFN products on Gemma 3 (docs/KERNELS.md)."""
+    square = arena.op(ggml.ggml_mul(context, x, x))
+    widen = arena.op(ggml.ggml_scale_bias(context, square, 0.044715, 1.0))  # 1 + a x^2
+    v = arena.op(ggml.ggml_scale(context, arena.op(ggml.ggml_mul(context, x, widen)),
+                                 2 * _SQRT_2_PI))
+    divisor = arena.op(ggml.ggml_scale(context, widen, 2 * _SQRT_2_PI))
+    return arena.op(ggml.ggml_div(context, arena.op(ggml.ggml_silu(context, v)), divisor))
 
 
 def _free_pool(ggml: GGML, context: int, buffer: int) -> None:
