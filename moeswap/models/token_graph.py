@@ -6,13 +6,14 @@ per step").
 A graph per layer costs a compute call, copies in and out and the layer loop's Python per layer
 and token; this is one call per step. It takes a step where every layer's FFN runs in its layer
 graph (every expert in the mapped file, or a dense FFN), of at most ``PIECE_TOKENS`` new tokens
-whose tensors fit the scratch; anything else runs layer by layer, with the same bits (a layer's
-nodes are the same, so is the order ggml computes them in).
+a sequence whose tensors fit the scratch; anything else runs layer by layer, with the same bits
+(a layer's nodes are the same, so is the order ggml computes them in).
 
 Graphs are built once per shape (tokens, each layer's slots and attended span) and kept with
-the cache, the last ``_KEPT`` of them.
+the first sequence's cache, the last ``_KEPT`` of them.
 
-Legend (ggml order, ne0 first): D model width, T new tokens, V vocabulary.
+Legend (ggml order, ne0 first): D model width, T new tokens of a sequence, N of all of them,
+B sequences, V vocabulary.
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class TokenGraph:
 @dataclass
 class _Built:
     graph: int
-    inputs: tuple[int, ...]  # scratch offsets of x, positions, each layout's three inputs
+    inputs: tuple[int, ...]  # scratch offsets of the ids, positions, each layout's three
+    #                          inputs, then (last_only) each sequence's last row
     logits: int  # scratch offset of the logits
 
 
