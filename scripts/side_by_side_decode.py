@@ -5,8 +5,9 @@ drifts between the bench's separate runs (docs/BENCHMARKS.md, "one graph per ste
 
 Each round times ``--steps`` decode steps of llama.cpp (``Llama.eval``, one token, f16 KV as
 its default) then as many of moeswap (``CausalLM.forward``, last row only, f16 KV, repacked
-layouts as ``moeswap run``), both after a 20-token prompt, 2 threads; prints ms per token per
-round and the ratio of the medians. Both engines share ggml's library, so neither is favoured.
+layouts and the weights in RAM as ``moeswap run``; ``--mmap``: from the mapped file, as
+llama.cpp), both after a 20-token prompt, 2 threads; prints ms per token per round and the
+ratio of the medians. Both engines run ggml's same library.
 """
 
 from __future__ import annotations

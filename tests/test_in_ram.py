@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from moeswap.cli.offload_args import offload_load_options
+from moeswap.formats.config import config_from_gguf
+from moeswap.formats.gguf_file import GGUFFile
 from moeswap.formats.gguf_in_ram import huge_pages_offered
 from moeswap.memory import HostCharge
 from moeswap.models import load_model
@@ -57,16 +59,21 @@ def test_huge_pages_are_asked_for_where_the_kernel_offers_them(tmp_path, setting
 
 
 def test_the_command_line_copies_a_resident_model_that_fits(mixtral_file, monkeypatch):
-    charge = HostCharge.for_sequence(64, 8, "f16")
+    charge = HostCharge.for_sequence(4096, 512, "f16")
+    gguf = GGUFFile.open(mixtral_file)
+    config = config_from_gguf(gguf)
+    gguf.close()
+    run = charge.kv_bytes(config) + charge.working_bytes(config)  # the caches and a step's
     size = mixtral_file.stat().st_size
+    assert run > 0
 
     def machine(free: int):
         monkeypatch.setattr(auto, "machine_memory", lambda: auto.Machine(free, free))
 
-    machine(size + auto.HOST_RESERVE)
+    machine(size + run + auto.HOST_RESERVE)
     assert offload_load_options(None, charge, 1, mixtral_file, mmap=False)["in_ram"] is True
     assert "in_ram" not in offload_load_options(None, charge, 1, mixtral_file, mmap=True)
-    machine(size + auto.HOST_RESERVE - 1)  # no room for the copy beside the reserve
+    machine(size + run + auto.HOST_RESERVE - 1)  # no room for the copy beside the run's memory
     assert offload_load_options(None, charge, 1, mixtral_file, mmap=False)["in_ram"] is False
     assert auto.fits_in_ram(mixtral_file.parent) is False  # a folder stays as it is
 

@@ -70,8 +70,9 @@ def mixtral_q4_0(tmp_path_factory):
 def test_a_model_with_repacked_shared_weights_keeps_its_logits_and_its_store_exact(
         mixtral_q4_0, monkeypatch):
     """load_model(repack=True), as `moeswap run` loads without --exact-tiers: the shared Q4_0
-    matrices repack, logits stay near the plain layout's, and the expert store (experts never
-    repacked) still gives the resident model's logits bit for bit."""
+    matrices and the resident model's expert stacks repack, logits stay near the plain
+    layout's, and the expert store (its slots plain) gives the resident model's logits within
+    a rounding (bit for bit under exact tiers: tests/test_expert_store.py)."""
     import tiny_models
 
     from moeswap.experts.build import build_store
@@ -99,4 +100,5 @@ def test_a_model_with_repacked_shared_weights_keeps_its_logits_and_its_store_exa
     assert tiny_models.relative_error(repacked, plain) <= 1e-3
     store = build_store(OffloadSettings(host_bytes=1 << 30))
     offloaded = logits(load_model(mixtral_q4_0, threads=1, repack=True, expert_runner=store))
-    assert torch.equal(offloaded, repacked)
+    assert tiny_models.relative_error(offloaded, repacked) <= 1e-3
+    assert torch.equal(offloaded.argmax(-1), repacked.argmax(-1))

@@ -43,7 +43,7 @@ def run(spec: RunSpec) -> dict:
                          cost_model_rates(spec.offload, spec.threads))
     began = time.perf_counter()
     runtime = engine.load(spec.model, threads=spec.threads, replay_routing=spec.replay_routing,
-                          repack=True, in_ram=spec.offload is None and fits_in_ram(spec.model),
+                          repack=True, in_ram=spec.offload is None and fits_in_ram(spec.model, store_charge(spec)),
                           **store)  # as moeswap run
     load_s = time.perf_counter() - began
     if store:

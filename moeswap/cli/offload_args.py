@@ -92,8 +92,9 @@ def add_exact_tiers_argument(p: argparse.ArgumentParser) -> None:
     """``--exact-tiers``, as `moeswap run`, `chat` and `serve` share it."""
     p.add_argument("--exact-tiers", action="store_true",
                    help="keep every weight in its stored layout: no ggml repacked layouts for "
-                        "the shared matrices (Q4_0, Q4_K, IQ4_NL, MXFP4 on x86), so logits are "
-                        "bit for bit those of the plain kernels at any budget")
+                        "the shared matrices and a resident model's expert stacks (Q4_0, Q4_K, "
+                        "IQ4_NL, MXFP4 on x86), so logits are bit for bit those of the plain "
+                        "kernels at any budget")
 
 
 def add_kv_type_argument(p: argparse.ArgumentParser) -> None:
@@ -151,7 +152,7 @@ def offload_load_options(settings, charge, threads: int | None, model_path=None,
 
     options = load_options(settings, charge, cost_model_rates(settings, threads))
     if settings is None and not mmap and model_path is not None:
-        options["in_ram"] = fits_in_ram(model_path)
+        options["in_ram"] = fits_in_ram(model_path, charge)
     return options
 
 

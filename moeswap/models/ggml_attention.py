@@ -40,13 +40,12 @@ from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.models import gemma4_graph, mla_graph
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
+from moeswap.models.sequence_graph import GRAPH_BYTES, MAX_PIECE_TOKENS
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.graph_arena import Arena, new_context
 from moeswap.quant.moe_graph import MoeFfn
 
 PIECE_TOKENS = 32  # a piece of a long input is a multiple of this; several sequences: at most
-MAX_PIECE_TOKENS = 512  # the most tokens one graph takes (llama.cpp's default ubatch)
-GRAPH_BYTES = 160 << 20  # the most a piece's tensors may take of the scratch's 256 MiB
 _SLOT_GRAPHS = 8  # graphs kept per layer and sequence (piece length, attended slots)
 _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compositions)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
@@ -203,18 +202,18 @@ class LayerGraph:
         return cache.room(self.attention.layer, n_new, (s.n_head_kv, s.head_dim),
                           (s.n_head_kv, s.head_dim))
 
-    def token_bytes(self, slots) -> int:
+    def token_bytes(self, slots, attended: int = 0) -> int:
         """An upper bound on the scratch bytes one new token of a graph takes: scores and
-        probabilities (S, H) and the mask (S), S at most the slots' capacity; the dense FFN's
-        tensors (F: 11 with tanh GELU, 3 with SiLU) or the experts' (F, K) x 3 and (D, K) x 3;
-        a few (D)."""
+        probabilities (S, H) and the mask (S), S the ``attended`` slots (0: the capacity); the
+        dense FFN's tensors (F: 11 with tanh GELU, 3 with SiLU) or the experts' (F, K) x 3 and
+        (D, K) x 3; a few (D)."""
         s = self.attention.spec
         ffn = 0
         if self.dense is not None:
             ffn = self.dense.hidden_width * (11 if self.dense.gelu else 3)
         elif self.experts is not None:
             ffn = 3 * self.top_k * (self.experts.hidden_width + self.width)
-        return 4 * (slots.capacity * (2 * s.n_head + 1) + ffn + 12 * self.width
+        return 4 * ((attended or slots.capacity) * (2 * s.n_head + 1) + ffn + 12 * self.width
                     + 4 * s.n_head * s.head_dim)
 
     def _piece_tokens(self, slots) -> int:

@@ -18,8 +18,7 @@ from gguf import GGMLQuantizationType
 from moeswap.models.blocks import SLOT_SPAN, Batch
 from moeswap.models.kv_graph_inputs import piece_inputs
 from moeswap.quant import CpuKernels
-from moeswap.quant.ggml_lib import InitParams
-from moeswap.quant.graph_arena import Arena, free_contexts
+from moeswap.quant.graph_arena import Arena, free_contexts, new_context
 
 MAX_PIECE_TOKENS = 512  # the most tokens one graph takes (llama.cpp's default ubatch)
 GRAPH_BYTES = 160 << 20  # the most a piece's tensors may take of the scratch's 256 MiB
@@ -119,9 +118,7 @@ class SequenceGraph:
     def _build(self, slots, t: int, n_slots: int) -> tuple:
         """-> (context, graph, input offsets, output offsets)."""
         ggml = self.ggml
-        size = (self.n_tensors * ggml.ggml_tensor_overhead()
-                + ggml.ggml_graph_overhead_custom(self.n_tensors, False))
-        context = ggml.ggml_init(InitParams(size, None, True))
+        context = new_context(ggml, self.n_tensors)
         try:
             arena = Arena(self.kernels, context)
             value_slots = t * self.value_numbers if self.value_numbers else t

@@ -9,8 +9,9 @@ graph (every expert in the mapped file, or a dense FFN), of at most ``PIECE_TOKE
 a sequence whose tensors fit the scratch; anything else runs layer by layer, with the same bits
 (a layer's nodes are the same, so is the order ggml computes them in).
 
-Graphs are built once per shape (tokens, each layer's slots and attended span) and kept with
-the first sequence's cache, the last ``_KEPT`` of them.
+Graphs are built once per shape (tokens, each layer's slots and attended span); the model keeps
+its last ``_KEPT``, freed as they age out (a graph's context holds every node: ~7 MiB for 48
+layers).
 
 Legend (ggml order, ne0 first): D model width, T new tokens of a sequence, N of all of them,
 B sequences, V vocabulary.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from moeswap.models.blocks import KVCache
+from moeswap.models.blocks import SLOT_SPAN, KVCache
 from moeswap.models.causal_lm import CausalLM
 from moeswap.models.embedding_graph import EMBEDDING_NODES, EmbeddingGraph
 from moeswap.models.ggml_attention import GRAPH_BYTES, PIECE_TOKENS, LayerGraph, shared_positions
@@ -33,7 +34,7 @@ from moeswap.quant import CpuKernels
 from moeswap.quant.graph_arena import Arena, new_context
 
 _F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
-_KEPT = 8  # graphs kept per cache: the attended span grows by SLOT_SPAN now and then
+_KEPT = 8  # graphs kept per model: a few shapes of each of a few caches
 
 
 class TokenGraph:
@@ -46,7 +47,9 @@ class TokenGraph:
         self.embedding, self.embedding_scale = embedding, embedding_scale
         self.layers = list(layers)  # with a ``graph`` (LayerGraph) each, ``ffn`` for reports
         self.graphs: list[LayerGraph] = [layer.graph for layer in layers]
-        self._kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> graphs
+        # (graph, context, routing offsets, the slots it writes) by shape, the last _KEPT
+        self._kept: dict = {}
+        weakref.finalize(self, _free_kept, self.ggml, self._kept)
 
     def takes(self, lengths: list[int], caches: list[KVCache]) -> bool:
         """Whether a step of these sequences' new tokens runs as one graph: at most
@@ -56,8 +59,10 @@ class TokenGraph:
         n = sum(lengths)
         needed = n * (4 * self.head.vocabulary + 8 * self.head.width)  # the head's
         for graph in self.graphs:
-            needed += sum(t * graph.token_bytes(graph.room(cache, t))
-                          for t, cache in zip(lengths, caches))
+            for t, cache in zip(lengths, caches):
+                slots = graph.room(cache, t)  # scores over the span attended, not the capacity
+                attended = -(-(slots.filled + t) // SLOT_SPAN) * SLOT_SPAN
+                needed += t * graph.token_bytes(slots, min(slots.capacity, attended))
         return needed <= GRAPH_BYTES
 
     def __call__(self, ids: torch.Tensor, caches: list[KVCache], spans: list[tuple[int, int]],
@@ -79,7 +84,7 @@ class TokenGraph:
                 shapes.append((slots, start, t, n_slots, groups[layout]))
         if last_only:
             inputs.append(torch.tensor([end - 1 for _, end in spans], dtype=torch.int32))  # [B]
-        graph, outputs = self._graph(caches[0], shapes, len(caches), last_only)
+        graph, outputs = self._graph(shapes, len(caches), last_only)
         logits = torch.empty(len(spans) if last_only else n, self.head.vocabulary)
         routing = [(layer, torch.empty(n, g.top_k, dtype=torch.int32), torch.empty(n, g.top_k))
                    for layer, g in zip(self.layers, self.graphs) if g.router is not None]
@@ -92,13 +97,11 @@ class TokenGraph:
             layer.ffn.report(None, ids, weights)
         return logits
 
-    def _graph(self, cache: KVCache, shapes: list, n_sequences: int, last_only: bool):
-        """The kept graph for this step's shapes (built on first use; kept with the first
-        sequence's cache) and the scratch offsets of each MoE layer's (ids, weights)."""
-        kept = self._kept.get(cache)
-        if kept is None:
-            kept = self._kept[cache] = {}
-            weakref.finalize(cache, _free_kept, self.ggml, kept)
+    def _graph(self, shapes: list, n_sequences: int, last_only: bool):
+        """The kept graph for this step's shapes (built on first use; the model keeps its last
+        _KEPT, whichever caches they write) and the scratch offsets of each MoE layer's (ids,
+        weights)."""
+        kept = self._kept
         key = (last_only, tuple((id(slots), *shape) for slots, *shape in shapes))
         entry = kept.pop(key, None)
         if entry is not None and any(ref() is not slots

@@ -23,10 +23,13 @@ from gguf import GGMLQuantizationType
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
+from moeswap.formats.gguf_in_ram import release
 from moeswap.models.linear import (QuantEmbedding, QuantHeads, QuantLinear, TorchEmbedding,
                                    TorchHeads, TorchLinear)
 from moeswap.quant import CpuKernels
 from moeswap.quant.kernels import _aligned_copy
+
+TOKEN_TABLE = "token_embd.weight"  # the embedding, also the head where they are tied
 
 
 class BoundWeights:
@@ -99,6 +102,8 @@ class BoundWeights:
                                      name)
         if matrix.repacked:  # ggml's repacked copy is what is computed on: drop ours
             self._copies.pop(name, None)
+            if name != TOKEN_TABLE:  # a tied table's rows are still looked up
+                release(self.gguf, info)
         return QuantLinear(matrix, b)
 
     def heads(self, name: str) -> TorchHeads | QuantHeads:

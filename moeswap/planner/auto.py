@@ -18,7 +18,8 @@ from pathlib import Path
 
 from moeswap.errors import MoeswapError
 from moeswap.formats.gguf_file import GGUFFile
-from moeswap.memory import STEP_TOKENS, format_size
+from moeswap.formats.config import config_from_gguf
+from moeswap.memory import STEP_TOKENS, HostCharge, format_size
 from moeswap.planner.cgroup_memory import CGROUP_ROOT, SELF_CGROUP, cgroup_limit
 from moeswap.planner.llama_cpp import GPU_RESERVE
 from moeswap.planner.placement import Budget, Plan, gib, make_plan
@@ -96,19 +97,23 @@ def machine_memory(cgroup_root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CGR
     return Machine(total, free, gpu)
 
 
-def fits_in_ram(model_path) -> bool:
-    """Whether a copy of the GGUF model's files fits the RAM free (or its cgroup's room) with
-    the runtime's reserve to spare: a folder, or a model that does not fit, stays mapped."""
+def fits_in_ram(model_path, charge: HostCharge | None = None) -> bool:
+    """Whether a copy of the GGUF model's files fits the RAM free (or its cgroup's room) beside
+    the KV caches and working memory ``charge`` pays and the runtime's reserve: a folder, or a
+    model that does not fit, stays mapped. (Repacked weights give the copy's pages back, so
+    the copy never holds a weight twice.)"""
     path = Path(model_path)
     if not path.is_file():
         return False
     gguf = GGUFFile.open(path)
     try:
         size = gguf.total_size
+        config = config_from_gguf(gguf)
     finally:
         gguf.close()
+    more = charge.kv_bytes(config) + charge.working_bytes(config) if charge else 0
     machine = machine_memory()
-    return size + machine.reserve <= machine.free_ram
+    return size + more + machine.reserve <= machine.free_ram
 
 
 def device_computable(path: str | Path) -> bool:
