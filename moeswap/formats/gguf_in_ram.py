@@ -51,16 +51,18 @@ def copy_into_ram(gguf: GGUFFile) -> None:
         piece.in_ram = True
 
 
-def release(gguf: GGUFFile, info: TensorInfo) -> None:
+def release(gguf: GGUFFile, info: TensorInfo) -> bool:
     """Give back the RAM copy's pages wholly inside a tensor that is no longer read (ggml holds
-    a repacked copy of it): the copy would hold the tensor twice. A mapped file: nothing."""
+    a repacked copy of it): the copy would hold the tensor twice -> whether any went back (a
+    mapped file: none, its pages are the page cache's)."""
     piece = gguf.piece_of(info)
     if not getattr(piece, "in_ram", False):
-        return
+        return False
     start = -(-info.data_start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = info.data_end // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start:
         piece.buffer.madvise(mmap.MADV_DONTNEED, start, end - start)
+    return end > start
 
 
 def _read_whole(path: Path, copy: mmap.mmap, size: int) -> None:

@@ -42,6 +42,7 @@ class BoundWeights:
         self.log = log
         self.anonymous = anonymous  # copy mapped weights into anonymous memory
         self._copies: dict[str, np.ndarray] = {}  # tensor name -> its bytes' copy
+        self._released: set[str] = set()  # repacked matrices whose stored bytes went back
         self._floats: dict[str, torch.Tensor] = {}  # a tied table serves embedding and output once
 
     def _float(self, name: str) -> torch.Tensor:
@@ -60,6 +61,8 @@ class BoundWeights:
     def _stored_bytes(self, info):
         """A quantized tensor's bytes: the mapped file's, or a copy (``anonymous``; a table
         tied as embedding and output head is copied once)."""
+        if info.name in self._released:  # its RAM copy's pages were given back: zeros now
+            raise RuntimeError(f"{info.name}: bound twice after its repacked copy replaced it")
         raw = self.gguf.tensor_bytes(info)
         if not self.anonymous:
             return raw
@@ -102,8 +105,8 @@ class BoundWeights:
                                      name)
         if matrix.repacked:  # ggml's repacked copy is what is computed on: drop ours
             self._copies.pop(name, None)
-            if name != TOKEN_TABLE:  # a tied table's rows are still looked up
-                release(self.gguf, info)
+            if name != TOKEN_TABLE and release(self.gguf, info):  # a tied table: looked up
+                self._released.add(name)
         return QuantLinear(matrix, b)
 
     def heads(self, name: str) -> TorchHeads | QuantHeads:
