@@ -32,11 +32,10 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.models.blocks import SLOT_SPAN, Attention, Batch, LayerStep
-from moeswap.models.ggml_ffn import DenseFfnGraph
+from moeswap.models.ggml_ffn import DenseFfnGraph, bound_matrix
 from moeswap.models.graph_routing import GraphRouter
 from moeswap.models.graph_support import graph_routes, supports
 from moeswap.models.kv_graph_inputs import bind_cache, piece_inputs
-from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.models import gemma4_graph, mla_graph
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
@@ -130,8 +129,9 @@ class LayerGraph:
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
         self.vectors: dict[str, int] = {}  # biases, norm weights, rope factors as F32 tensors
         self._keep: list = []  # the bound vectors' memory
-        self.matrices = {name: self._matrix(linear, name) for name, linear in
-                         (("wq", w.wq), ("wk", w.wk), ("wv", w.wv), ("wo", w.wo))}
+        self.matrices = {name: bound_matrix(kernels, linear, f"attention {name}")
+                         for name, linear in (("wq", w.wq), ("wk", w.wk), ("wv", w.wv),
+                                              ("wo", w.wo))}
         self.width, self.eps = self.matrices["wq"].ne[0], around.eps  # D
         self.routing = GraphRouter(kernels, self.router) if self.router is not None else None
         for name, vector in (("bq", w.wq.bias), ("bk", w.wk.bias), ("bv", w.wv.bias),
@@ -150,15 +150,6 @@ class LayerGraph:
         self._buffers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # of caches
         self._batch_graphs: dict = {}  # several sequences' pieces -> graph, context, their slots
         weakref.finalize(self, _free_kept, kernels.ggml, self._batch_graphs)
-
-    def _matrix(self, linear: QuantLinear | TorchLinear, name: str):
-        """The projection's weight as a bound ggml tensor of ne (in, out): the quantized one,
-        or a float one (F32 GGUF tensors, mapped) bound as F32, not copied."""
-        if isinstance(linear, QuantLinear):
-            return linear.matrix.weight
-        rows = linear.weight.detach().to(torch.float32).contiguous()  # [out, in]
-        return self.kernels.bind(rows.numpy(), _F32, (rows.shape[1], rows.shape[0]),
-                                 f"attention {name}")
 
     def __call__(self, x: torch.Tensor, batch: Batch) -> LayerStep:
         """x [N, D] -> the layer's ``LayerStep``; each sequence against its own cache. One
@@ -311,8 +302,8 @@ class LayerGraph:
                 ggml.ggml_build_forward_expand(graph, write)
             for tensor in outputs.values():
                 ggml.ggml_build_forward_expand(graph, tensor)
-            return _Graph(graph, tuple(arena.offsets[i] for i in inputs),
-                          {name: arena.offsets[tensor] for name, tensor in outputs.items()}), context
+            offsets = {name: arena.offsets[tensor] for name, tensor in outputs.items()}
+            return _Graph(graph, tuple(arena.offsets[i] for i in inputs), offsets), context
         except BaseException:
             ggml.ggml_free(context)
             raise

@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from moeswap.models.causal_lm import CausalLM
+from moeswap.models.ggml_ffn import bound_matrix
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.graph_arena import Arena, free_contexts, new_context
@@ -33,12 +34,7 @@ class HeadGraph:
         self.kernels, self.ggml, self.eps = kernels, kernels.ggml, eps
         norm = output_norm.detach().to(torch.float32).contiguous()
         self._norm = kernels.bind(norm.numpy(), _F32, (norm.numel(), 1), "output_norm")  # (D)
-        if isinstance(output, QuantLinear):
-            self._head = output.matrix.weight  # ne (D, V)
-        else:
-            rows = output.weight.detach().to(torch.float32).contiguous()  # [V, D]
-            self._head = kernels.bind(rows.numpy(), _F32, (rows.shape[1], rows.shape[0]),
-                                      "output")
+        self._head = bound_matrix(kernels, output, "output")  # ne (D, V)
         self.width, self.vocabulary = self._head.ne
         self._graphs: dict[int, tuple[int, int, int]] = {}  # T -> graph, x's and logits' offsets
         self._contexts: list[int] = []
