@@ -38,6 +38,21 @@ def mixtral_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def q8_files(tmp_path_factory):
+    """(family, config overrides) -> its tiny model as a Q8_0 GGUF, made on first use."""
+    made = {}
+
+    def file(family: str, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(family)
+            tiny_models.save(family, folder / "hf", **overrides)
+            made[key] = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
+        return made[key]
+    return file
+
+
+@pytest.fixture(scope="module")
 def mixtral_q8(tmp_path_factory):
     """The tiny Mixtral with eight experts per layer, converted to Q8_0."""
     folder = tmp_path_factory.mktemp("mixtral8")

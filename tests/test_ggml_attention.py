@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import tiny_models
-from moeswap.gguf_tools.convert import convert
 from moeswap.models import load_model
 from moeswap.models.blocks import SLOT_SPAN
 
@@ -23,20 +22,6 @@ PROMPT = torch.randint(0, tiny_models.VOCAB, (40,), generator=torch.Generator().
 GRAPH_FAMILIES = ("mixtral", "qwen2moe", "qwen3moe", "olmoe", "granitemoe", "glm4moe", "gemma3")
 # (MLA and Gemma 4 have graphs of their own: tests/test_sequence_graphs.py.)
 TORCH_FAMILIES = {"gpt_oss": "sinks and YaRN"}
-
-
-@pytest.fixture(scope="module")
-def q8_files(tmp_path_factory):
-    """family -> its tiny model as a Q8_0 GGUF (made on first use)."""
-    made = {}
-
-    def file(family: str):
-        if family not in made:
-            folder = tmp_path_factory.mktemp(family)
-            tiny_models.save(family, folder / "hf")
-            made[family] = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
-        return made[family]
-    return file
 
 
 def graphs(model) -> list[bool]:
@@ -225,18 +210,9 @@ def test_experts_share_one_product_where_a_tokens_bits_are_its_own(q8_files, tmp
     llama.cpp), the same bits as the store's 32-token groups. Q4_K experts keep those groups
     under exact tiers (ggml's tiled K-quant path makes a token's product depend on its group)
     and share one product with repacked layouts on, within a logit tolerance."""
-    import ctypes
-
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes Q4_K_M")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes Q4_K_M")
     assert all(layer.graph.any_group for layer in load_model(q8_files("mixtral")).layers)
-    tiny_models.save("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256,
-                     initializer_range=0.02)  # rows of 256: K-quant blocks
-    source = convert(tmp_path / "hf", tmp_path / "model.f32.gguf", "f32")
-    path = tmp_path / "model.q4_k_m.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(),
-                                          ctypes.byref(params)) == 0
+    path = tiny_models.q4_k_m_mixtral(tmp_path)
     exact, repacked = load_model(path), load_model(path, repack=True)
     assert not any(layer.graph.any_group for layer in exact.layers)
     assert all(layer.graph.any_group for layer in repacked.layers)

@@ -83,20 +83,10 @@ def test_repacked_expert_stacks_give_their_copied_pages_back(tmp_path):
     """A resident Q4_K_M model with repacked layouts: the expert stacks ggml repacks are read
     no more, so the RAM copy's pages inside them are released (zeros now), and the logits are
     those of the model computed from the mapped file."""
-    import ctypes
-
     import tiny_models
-    from moeswap.gguf_tools.convert import convert
 
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes Q4_K_M")
-    tiny_models.save("mixtral", tmp_path / "hf", hidden_size=256, intermediate_size=256,
-                     initializer_range=0.02, num_local_experts=8)  # 256-wide rows: K-quants
-    source = convert(tmp_path / "hf", tmp_path / "model.f32.gguf", "f32")
-    path = tmp_path / "model.q4_k_m.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(),
-                                          ctypes.byref(params)) == 0
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes Q4_K_M")
+    path = tiny_models.q4_k_m_mixtral(tmp_path, num_local_experts=8)
     copied = load_model(path, repack=True, in_ram=True)
     experts = copied.layers[0].ffn.experts
     repacked = [kind for (layer, kind), stack in experts._stacks.items()

@@ -24,7 +24,6 @@ twin's results in moeswap and in llama.cpp.
 
 from __future__ import annotations
 
-import ctypes
 import json
 
 import numpy as np
@@ -117,11 +116,8 @@ def test_quantized_here_matches_the_naive_forward_and_llama_cpp(f32_file, tmp_pa
 
 @pytest.mark.parametrize("name", sorted(LLAMA_FTYPES))
 def test_quantized_by_llama_cpp_matches_the_naive_forward_and_llama_cpp(f32_file, tmp_path, name):
-    path = tmp_path / f"model.{name}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, expected_type = LLAMA_FTYPES[name]
-    assert llama_cpp.llama_model_quantize(str(f32_file).encode(), str(path).encode(),
-                                          ctypes.byref(params)) == 0
+    ftype, expected_type = LLAMA_FTYPES[name]
+    path = tiny_models.llama_cpp_quantized(f32_file, tmp_path / f"model.{name}.gguf", ftype)
     assert expected_type in types_in(path)
     check_file(path, f"{name} quantized by llama.cpp")
 

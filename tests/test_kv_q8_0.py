@@ -21,7 +21,6 @@ import torch
 import tiny_models
 from moeswap.cli import build_parser, main
 from moeswap.errors import MoeswapError
-from moeswap.gguf_tools.convert import convert
 from moeswap.memory import HostCharge, kv_cache_bytes
 from moeswap.models import load_model
 
@@ -31,21 +30,6 @@ HEADS_OF_32 = {"mixtral": {"head_dim": 32}, "qwen3moe": {}, "olmoe": {"hidden_si
                "glm4moe": {"head_dim": 32},
                "gemma3": {"head_dim": 32, "query_pre_attn_scalar": 32}}
 Q8_0 = 8  # GGML_TYPE_Q8_0, llama.cpp's type_k / type_v
-
-
-@pytest.fixture(scope="module")
-def q8_files(tmp_path_factory):
-    """(family, overrides) -> its tiny model as a Q8_0 GGUF (made on first use)."""
-    made = {}
-
-    def file(family: str, **overrides):
-        key = (family, tuple(sorted(overrides.items())))
-        if key not in made:
-            folder = tmp_path_factory.mktemp(family)
-            tiny_models.save(family, folder / "hf", **overrides)
-            made[key] = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
-        return made[key]
-    return file
 
 
 def logits(model, ids: torch.Tensor, cache=None) -> torch.Tensor:

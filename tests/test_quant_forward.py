@@ -21,8 +21,6 @@ moving later logits by 2 % (measured), so no bound there would say anything abou
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
@@ -123,14 +121,10 @@ K_QUANTS = {"Q2_K": (10, "Q2_K"), "Q3_K_M": (12, "Q3_K"), "Q4_K_M": (15, "Q4_K")
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("name", list(K_QUANTS))
 def test_llama_cpp_quantized(mixtral_folder, tmp_path, name):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes K-quants")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python quantizes K-quants")
     ftype, expected_type = K_QUANTS[name]
     source = convert(mixtral_folder, tmp_path / "model.f32.gguf", "f32")
-    path = tmp_path / f"model.{name}.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(),
-                                          ctypes.byref(params)) == 0
+    path = tiny_models.llama_cpp_quantized(source, tmp_path / f"model.{name}.gguf", ftype)
     types = {t.tensor_type.name for t in GGUFReader(path).tensors}
     assert expected_type in types
     check_against_naive(path)

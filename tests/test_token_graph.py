@@ -25,19 +25,6 @@ FAMILIES = {"mixtral": {"head_dim": 32}, "qwen3moe": {}, "olmoe": {"hidden_size"
 IDS = torch.randint(0, tiny_models.VOCAB, (300,), generator=torch.Generator().manual_seed(5))
 
 
-@pytest.fixture(scope="module")
-def q8_files(tmp_path_factory):
-    made = {}
-
-    def file(family: str):
-        if family not in made:
-            folder = tmp_path_factory.mktemp(family)
-            tiny_models.save(family, folder / "hf", **FAMILIES[family])
-            made[family] = convert(folder / "hf", folder / "model.q8_0.gguf", "q8_0")
-        return made[family]
-    return file
-
-
 class Calls:
     """Counts graph computes (CpuKernels.run)."""
 
@@ -80,7 +67,7 @@ def steps(model, lengths, last_only_at=()) -> torch.Tensor:
 def test_a_step_as_one_graph_equals_the_layers_one_by_one(q8_files, family, kv_type):
     """Prefill in pieces of up to 32, decode past Gemma 3's rings and past a slot span (256
     positions), a last-row-only step: the same bits as with the token graph off."""
-    model = load_model(q8_files(family), kv_type=kv_type)
+    model = load_model(q8_files(family, **FAMILIES[family]), kv_type=kv_type)
     assert model.token_graph is not None
     lengths = [PIECE_TOKENS] * 8 + [7, 3] + [1] * 34
     fast = steps(model, lengths, last_only_at={9})
@@ -89,7 +76,7 @@ def test_a_step_as_one_graph_equals_the_layers_one_by_one(q8_files, family, kv_t
 
 
 def test_a_decode_step_is_one_compute_and_longer_steps_go_layer_by_layer(q8_files, monkeypatch):
-    model = load_model(q8_files("mixtral"))
+    model = load_model(q8_files("mixtral", **FAMILIES["mixtral"]))
     calls, cache = Calls(monkeypatch), model.new_cache()
     model.forward([IDS[:PIECE_TOKENS]], [cache])
     model.forward([IDS[PIECE_TOKENS:PIECE_TOKENS + 1]], [cache])
@@ -116,7 +103,7 @@ def test_several_sequences_in_one_graph_equal_the_layers_one_by_one(q8_files, fa
             out += model.forward(ids, caches, last_only=step % 2 == 1)
         return out
 
-    model = load_model(q8_files(family), kv_type=kv_type)
+    model = load_model(q8_files(family, **FAMILIES[family]), kv_type=kv_type)
     fast = run(model)
     model.token_graph = None
     assert all(torch.equal(a, b) for a, b in zip(fast, run(model)))
@@ -126,7 +113,7 @@ def test_routing_reported_as_layer_by_layer(q8_files):
     runs = []
     for use_graph in (True, False):
         decisions = Decisions()
-        model = load_model(q8_files("mixtral"), recorder=decisions)
+        model = load_model(q8_files("mixtral", **FAMILIES["mixtral"]), recorder=decisions)
         if not use_graph:
             model.token_graph = None
         steps(model, [5, 1, 1])
@@ -140,13 +127,13 @@ def test_routing_reported_as_layer_by_layer(q8_files):
 def test_the_model_keeps_its_last_few_graphs(q8_files):
     """11 step shapes on two caches: the model keeps the last _KEPT graphs whichever cache
     they write (their contexts hold every node: bounded per model, not per cache)."""
-    model = load_model(q8_files("mixtral"))
+    model = load_model(q8_files("mixtral", **FAMILIES["mixtral"]))
     caches, chunks, start = [model.new_cache(), model.new_cache()], [], 0
     for n in range(1, 12):
         chunks.append(model.forward([IDS[start:start + n]], [caches[n % 2]])[0])
         start += n
     assert len(model.token_graph._kept) == token_graph._KEPT
-    fresh = load_model(q8_files("mixtral"))
+    fresh = load_model(q8_files("mixtral", **FAMILIES["mixtral"]))
     again, start = [fresh.new_cache(), fresh.new_cache()], 0
     for n, chunk in zip(range(1, 12), chunks):
         assert torch.equal(chunk, fresh.forward([IDS[start:start + n]], [again[n % 2]])[0])
@@ -154,8 +141,10 @@ def test_the_model_keeps_its_last_few_graphs(q8_files):
 
 
 def test_models_whose_ffn_leaves_the_layer_graph_run_layer_by_layer(q8_files, tmp_path):
-    assert load_model(q8_files("mixtral"), graphs=False).token_graph is None
-    offloaded, _ = store_model(q8_files("mixtral"), host_slots=4)  # experts in the store
+    mixtral = q8_files("mixtral", **FAMILIES["mixtral"])
+    assert load_model(mixtral, graphs=False).token_graph is None
+    offloaded, _ = store_model(q8_files("mixtral", **FAMILIES["mixtral"]),
+                               host_slots=4)  # experts in the store
     assert offloaded.token_graph is None and offloaded.head_graph is not None
     tiny_models.save("deepseek2", tmp_path / "hf")  # MLA keeps torch attention
     path = convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0")

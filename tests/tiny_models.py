@@ -240,6 +240,32 @@ def llama_cpp_scores(path, ids: torch.Tensor, kv_type: int = 0, n_ctx: int = 64)
     return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
+def llama_cpp_quantized(source, path, ftype: int):
+    """The GGUF at ``source`` quantized by llama.cpp's own quantizer to llama_ftype ``ftype``
+    (15: Q4_K_M) at ``path`` -> path."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    assert llama_cpp.llama_model_quantize(str(source).encode(), str(path).encode(),
+                                          ctypes.byref(params)) == 0
+    return path
+
+
+def q4_k_m_mixtral(folder, **overrides):
+    """The tiny Mixtral with 256-wide rows (K-quant blocks), quantized to Q4_K_M by llama.cpp
+    in ``folder`` -> its path."""
+    from moeswap.gguf_tools.convert import convert
+
+    save("mixtral", folder / "hf", hidden_size=256, intermediate_size=256,
+         initializer_range=0.02, **overrides)
+    source = convert(folder / "hf", folder / "model.f32.gguf", "f32")
+    q4_k_m = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    return llama_cpp_quantized(source, folder / "model.q4_k_m.gguf", q4_k_m)
+
+
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
