@@ -169,10 +169,11 @@ def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, ho
     expected = decode_logits(resident)
     model, factory = store_model(mixtral_file, host_slots, cold_reads=True, prefetch="off")
     r = factory.store.residency
-    seen, twice, steps = set(), [], []
+    seen, twice, steps, reads = set(), [], [], []
     read_piece, start = r.disk.read_piece, r.step.start
 
     def counted(part, expert, target):
+        reads.append(part.expert_bytes)
         twice.extend([(part.name, expert)] if (part.name, expert) in seen else [])
         seen.add((part.name, expert))
         read_piece(part, expert, target)
@@ -186,8 +187,12 @@ def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, ho
     assert torch.equal(decode_logits(model), expected)
     assert not twice
     assert any(steps)  # the prefill had more misses than ring slots: streamed
-    total = factory.stats()["total"]
+    stats = factory.stats()
+    total, disk = stats["total"], stats["disk"]
     assert total["refetches"] == 0 and total["disk_misses"] > 0
+    # the reader's own record: every piece once, and a busy time the reads took
+    assert disk["reads"] == len(reads) and disk["bytes"] == sum(reads) == total["disk_bytes"]
+    assert disk["busy_seconds"] > 0
 
 
 def test_held_experts_compute_while_the_steps_misses_are_read(mixtral_file):

@@ -60,6 +60,16 @@ def test_the_floor_is_the_slower_of_reading_and_computing():
     assert read_bound["of_floor"] == pytest.approx(2.88 / (2e9 / 245e6))
     compute_bound = floor_row({"read_bytes_per_token": 0, "decode_tok_s": 30}, 670e6, rates)
     assert compute_bound["floor_tok_s"] == pytest.approx(40e9 / 670e6)
+    assert "disk_busy" not in compute_bound  # no store: nothing said of the disk
+
+
+def test_the_disk_busy_share_is_the_readers_busy_time_over_decode_time():
+    rates = Rates(disk_read=2e9, link=1e10, host_compute=40e9, device_compute=1e11)
+    run = {"read_bytes_per_token": 245e6, "decode_tok_s": 4.0, "decode_tokens": 32,
+           "counts": {"disk_busy_seconds": 6.0, "disk_bytes": 9e9}}
+    row = floor_row(run, 670e6, rates)
+    assert row["disk_busy"] == pytest.approx(6.0 / 8.0)  # 32 tokens at 4/s: 8 s of decode
+    assert row["busy_read_rate"] == pytest.approx(1.5e9)
 
 
 def test_runs_in_each_limit_and_skips_where_no_cgroup_can_be_made(tmp_path):

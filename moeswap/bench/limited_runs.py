@@ -68,8 +68,14 @@ def moeswap_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
     runtime = engine.load(model, threads=threads, replay_routing=replay_routing,
                           **load_options(settings, charge))
     stats = runtime.stats if settings is not None else dict
-    run = _timed(MoeswapSession(runtime.model, len(prompt)), prompt, gen_tokens,
-                 lambda: stats().get("total", {}))
+
+    def counters() -> dict:
+        now = stats()
+        disk = now.get("disk", {})
+        return {**now.get("total", {}), **({"disk_busy_seconds": disk["busy_seconds"]}
+                                           if disk else {})}
+
+    run = _timed(MoeswapSession(runtime.model, len(prompt)), prompt, gen_tokens, counters)
     return {**run, "host_bytes": auto.host_bytes, "plan": auto.describe()}
 
 

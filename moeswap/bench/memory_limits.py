@@ -13,6 +13,12 @@ the cold-read rate, bytes computed / the rate CPU products stream stored weights
 are the run's own (``/proc/self/io``); bytes computed are what one token's products read:
 every shared weight but a token-embedding table that is not also the output head, and top-k
 routed experts per MoE layer (the KV cache, small at these contexts, is left out).
+
+The probe's cold-read rate is measured on a scratch file it has just written, and the rate a
+virtual disk gives a file moves between runs minutes apart (docs/BENCHMARKS.md), so moeswap's
+rows also carry the run's own measure of overlap, which needs no rate: the share of decode time
+during which any expert read ran ("disk busy", from the store's reader), and the rate it read
+at meanwhile.
 """
 
 from __future__ import annotations
@@ -63,11 +69,19 @@ def engines(facts: ModelFacts, limit: int, compare: bool, replay: str | None,
 
 
 def floor_row(result: dict, computed: int, rates) -> dict:
-    """Per decode token: seconds of the floor, the run's seconds, and their ratio."""
+    """Per decode token: seconds of the floor, the run's seconds, and their ratio; where the
+    store reports its reads, the share of decode time the disk was busy and the rate it read
+    at meanwhile (the run's own measure of overlap, free of the probe's rate)."""
     read = result.get("read_bytes_per_token") or 0
     floor_s = max(read / rates.disk_read, computed / rates.host_compute)
     measured_s = 1 / result["decode_tok_s"]
-    return {"floor_tok_s": 1 / floor_s, "of_floor": floor_s / measured_s}
+    row = {"floor_tok_s": 1 / floor_s, "of_floor": floor_s / measured_s}
+    counts = result.get("counts") or {}
+    busy = counts.get("disk_busy_seconds")
+    if busy:
+        row["disk_busy"] = busy / (result["decode_tokens"] * measured_s)
+        row["busy_read_rate"] = counts["disk_bytes"] / busy
+    return row
 
 
 def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], gen_tokens: int,
@@ -119,12 +133,13 @@ def table(body: dict) -> str:
               f"{r['host_compute'] / 1e9:.1f} GB/s ({r['source']}); computed per token "
               f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
              ("| limit MiB | engine | decode tok/s | prompt tok/s | hit rate | misses/token | "
-              "MiB read/token | cgroup peak MiB | failcnt | floor tok/s | of floor |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "MiB read/token | cgroup peak MiB | failcnt | floor tok/s | of floor | "
+              "disk busy | GB/s while busy |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in body["rows"]:
         head = f"| {row['limit_bytes'] >> 20} | {row['engine']} |"
         if row["status"] != "ok":
-            lines.append(f"{head} {row['failure']}: {row['error']} |||||||||")
+            lines.append(f"{head} {row['failure']}: {row['error']} |||||||||||")
             continue
         counts = row.get("counts") or {}
         requests = counts.get("requests")
@@ -137,7 +152,9 @@ def table(body: dict) -> str:
                else "- | - | ")
             + ("- | " if read is None else f"{read / 2**20:.0f} | ")
             + f"{_mib(row.get('cgroup_peak_bytes'))} | {row.get('cgroup_failcnt', '-')} | "
-            f"{row['floor_tok_s']:.2f} | {row['of_floor']:.0%} |")
+            f"{row['floor_tok_s']:.2f} | {row['of_floor']:.0%} | "
+            + (f"{row['disk_busy']:.0%} | {row['busy_read_rate'] / 1e9:.2f} |"
+               if "disk_busy" in row else "- | - |"))
     return "\n".join(lines + [""] + [f"Note: {n}" for n in body["notes"]])
 
 

@@ -250,6 +250,9 @@ class ExpertStore:
                              "experts_resident": len(r.slots[tier])}
                       for tier, held in r.held_bytes().items()},
             **{name: r.charge[name] for name in ("shared_bytes", "kv_bytes", "working_bytes")},
+            # the link's own record: bytes read and the wall time any read ran (busy)
+            "disk": {"bytes": r.disk.stats.bytes, "busy_seconds": r.disk.stats.seconds,
+                     "reads": r.disk.stats.reads},
             **({"prefetch": self.lookahead.prefetch.as_dict()}
                if self.lookahead is not None else {}),
             **({"lowbit": r.lowbit.as_dict()} if r.lowbit is not None else {}),
