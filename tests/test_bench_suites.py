@@ -34,11 +34,15 @@ def test_a_suite_needs_an_output_folder(capsys):
 
 def test_decode_suite_on_the_generated_model(tmp_path):
     report = suite(tmp_path / "out", "decode", "--models", "mixtral", "--size", "smoke",
-                   "--engines", "moeswap", "--threads", "1", "--work-dir", str(tmp_path / "gen"))
+                   "--engines", "moeswap", "--threads", "1", "--work-dir", str(tmp_path / "gen"),
+                   "--rounds", "3")
     (row,) = report["results"]
     assert row["status"] == "ok", row
     assert row["engine"] == "moeswap" and len(row["outputs"][0]) == 4
     assert row["prompt_tokens"] == 8 and row["decode_tokens"] == 3
+    assert report["rounds"] == 3 and len(row["rounds"]) == 3  # each run kept, the median shown
+    for key in ("prompt_tok_s", "decode_tok_s"):
+        assert row[key] == sorted(r[key] for r in row["rounds"])[1]
     assert list((tmp_path / "gen").glob("mixtral-shaped-*.gguf"))  # written once, kept
     assert "| moeswap |" in (tmp_path / "out" / "report.md").read_text()
 
@@ -293,3 +297,12 @@ def test_plan_suite_worked_cases(tmp_path):
     assert "--tensor-parallel-size" in plans[3]["multi_gpu"]["vllm"]
     assert "given: device_compute, disk_read, host_compute, link" in \
         plans[0]["moeswap"]["rates"]["source"]
+
+
+def test_a_failed_round_is_the_engines_result():
+    from moeswap.bench.suites.decode import over_rounds
+
+    ok = {"status": "ok", "prompt_tok_s": 10.0, "decode_tok_s": 5.0}
+    failed = {"status": "timeout", "failure": "timeout", "error": "ran past 10 s"}
+    assert over_rounds([ok, failed, ok]) == failed
+    assert over_rounds([ok, dict(ok, prompt_tok_s=30.0)])["prompt_tok_s"] == 20.0

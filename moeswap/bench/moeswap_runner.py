@@ -24,7 +24,12 @@ class MoeswapSession:
         self.cache = None
 
     def reset(self) -> None:
-        self.cache = self.model.new_cache()
+        # As llama.cpp's reset: the cache forgets its positions and keeps its buffers (and the
+        # layer graphs bound to them); a new one where a ring can no longer be cut back to 0.
+        if self.cache is not None and self.cache.can_truncate(0):
+            self.cache.truncate(0)
+        else:
+            self.cache = self.model.new_cache()
 
     def feed(self, ids: list[int]) -> int:
         logits = prefill(self.model, [ids], [self.cache], self.step_tokens)[0]  # [V]

@@ -65,6 +65,7 @@ class RunSpec:
     prefill_chunk: int = PREFILL_CHUNK
     warm_page_cache: bool = True  # read the file once first; off: a cold-reads run starts cold
     kv_type: str = COMMAND_KV_TYPE  # moeswap's --kv-type; llama.cpp's type_k and type_v
+    prompt_repeats: int = 1  # each prompt fed this many times, its time the median
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "prompts"} | {
