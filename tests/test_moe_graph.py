@@ -78,15 +78,17 @@ def test_the_halves_give_the_whole_graphs_bits(kernels, activation):
     assert torch.equal(ffn.finish(ffn.hidden(x, ids), ids, weights), ffn.run(x, ids, weights))
 
 
+@pytest.mark.parametrize("ggml_type", [Q.Q4_K, Q.Q8_0])
 @pytest.mark.parametrize("fused", [False, True])
-def test_picks_from_a_slot_pool_give_the_stacks_bits(kernels, fused):
+def test_picks_from_a_slot_pool_give_the_stacks_bits(kernels, fused, ggml_type):
     """The store's computation: experts copied into slots of a pool (pieces at aligned offsets,
     slots in another order than the experts), each pick run as its own row (K = 1) over the
-    pool's view, then summed in pick order: bit for bit the whole stack's graph."""
-    ffn, _, raw, vectors, shapes = layer(kernels, Q.Q4_K, "swiglu_oai", fused)
+    pool's view, then summed in pick order: bit for bit the whole stack's graph (Q8_0: the
+    custom op over the pool's slot strides against it over the stack's)."""
+    ffn, _, raw, vectors, shapes = layer(kernels, ggml_type, "swiglu_oai", fused)
     pieces, offset = [], 0
     for kind, (width, out) in shapes.items():
-        pieces.append((kind, int(Q.Q4_K), (width, out), offset))
+        pieces.append((kind, int(ggml_type), (width, out), offset))
         offset += -(-raw[kind].nbytes // X // 32) * 32
     for kind, v in vectors.items():
         pieces.append((kind, 0, (v.shape[1],) if kind != "scale" else (), offset))
@@ -152,3 +154,32 @@ def test_a_streamed_step_reads_the_down_bias_with_the_down_matrix(tmp_path, monk
     model = load_model(path, threads=1, expert_runner=store)
     assert torch.equal(model.forward([prompt], [model.new_cache()])[0], expected)
     assert any(streamed)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_q8_0_experts_of_several_tokens_give_mul_mat_ids_bits(kernels, activation, fused):
+    """The custom op for Q8_0 experts (moeswap/quant/q8_0_kernel.py) computes ggml's sums in
+    ggml's order: the same bits as ``mul_mat_id`` for any tokens and picks, tiles of 4 rows and
+    4 tokens and their remainders; one token keeps ``mul_mat_id``."""
+    ffn, *_ = layer(kernels, Q.Q8_0, activation, fused, seed=3)
+    assert ffn.custom is not None  # a C compiler is there (CI's machines have gcc)
+    plain = MoeFfn(kernels, ffn.stacks, GLUS[activation])
+    plain.custom = None
+    for n_tokens, n_picked in ((2, 1), (3, 2), (8, 2), (13, 4), (32, 8), (64, 2)):
+        x, ids, weights = picks(n_tokens, n_picked, seed=n_tokens + n_picked)
+        assert torch.equal(ffn.run(x, ids, weights), plain.run(x, ids, weights))
+        assert torch.equal(ffn.hidden(x, ids), plain.hidden(x, ids))
+    assert not ffn.custom.takes(1, 8) and ffn.custom.takes(2, 8)
+
+
+def test_without_a_compiler_q8_0_experts_keep_mul_mat_id(tmp_path, monkeypatch):
+    from moeswap.quant import q8_0_kernel
+
+    monkeypatch.setenv("MOESWAP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert q8_0_kernel._compiled.__wrapped__("any") is None
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written kept
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(q8_0_kernel.shutil, "which", lambda name: None)  # none at all
+    assert q8_0_kernel._compiled.__wrapped__("any") is None

@@ -65,6 +65,11 @@ _SIGNATURES = {
     "ggml_scale_bias": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_swiglu_oai": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_backend_view_init": (_INT, [_VOID_P]),
+    # Q8_0 experts of several tokens (moeswap/quant/q8_0_kernel.py): a custom op.
+    "ggml_custom_4d": (_VOID_P, [_VOID_P, _INT, _I64, _I64, _I64, _I64, _VOID_P, _INT, _VOID_P,
+                                 _INT, _VOID_P]),
+    "ggml_get_data": (_VOID_P, [_VOID_P]),
+    "ggml_nelements": (_I64, [_VOID_P]),
     # Attention as one graph per layer (moeswap/models/ggml_attention.py).
     "ggml_reshape_2d": (_VOID_P, [_VOID_P, _VOID_P, _I64, _I64]),
     "ggml_permute": (_VOID_P, [_VOID_P, _VOID_P, _INT, _INT, _INT, _INT]),

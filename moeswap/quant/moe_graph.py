@@ -37,8 +37,10 @@ from moeswap.errors import MoeswapError
 from moeswap.quant.ggml_lib import GGML, InitParams
 from moeswap.quant.graph_arena import Arena, free_contexts
 from moeswap.quant.kernels import CpuKernels, check_status
+from moeswap.quant.q8_0_kernel import Q8_0Stack, custom_q8_0
 
 _F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
+_Q8_0 = int(GGMLQuantizationType.Q8_0)
 _SQRT_2_PI = math.sqrt(2 / math.pi)
 
 
@@ -65,6 +67,7 @@ class ExpertStacks:
     hidden_width: int  # F, the down matrices' input width
     n_experts: int  # X
     keep_alive: list = field(default_factory=list)  # the weights / pools the tensors point into
+    q8_0: dict[str, Q8_0Stack] = field(default_factory=dict)  # kind -> where a plain Q8_0 lies
 
 
 def weight_stacks(matrices: dict, vectors: dict) -> ExpertStacks:
@@ -73,10 +76,16 @@ def weight_stacks(matrices: dict, vectors: dict) -> ExpertStacks:
     first = matrices["gate_up"] if "gate_up" in matrices else matrices["gate"]
     out_features = {kind: w.ne[1] for kind, w in matrices.items()}
     out_features.update({kind: w.ne[0] for kind, w in vectors.items()})
+    q8_0 = {}
+    for kind, w in matrices.items():
+        if w.ggml_type == _Q8_0 and w.keep_alive is not None:  # plain layout (not repacked)
+            row = w.ne[0] // 32 * 34
+            q8_0[kind] = Q8_0Stack(w.tensor, w.keep_alive.ctypes.data, row, row * w.ne[1],
+                                   w.ne[0], w.ne[1])
     return ExpertStacks({kind: w.tensor for kind, w in matrices.items()},
                         {kind: w.tensor for kind, w in vectors.items()}, out_features,
                         first.ne[0], matrices["down"].ne[0], matrices["down"].ne[2],
-                        [*matrices.values(), *vectors.values()])
+                        [*matrices.values(), *vectors.values()], q8_0)
 
 
 def pool_stacks(kernels: CpuKernels, buffer: np.ndarray, slot_size: int,
@@ -89,6 +98,7 @@ def pool_stacks(kernels: CpuKernels, buffer: np.ndarray, slot_size: int,
     context = ggml.ggml_init(InitParams(2 * len(pieces) * ggml.ggml_tensor_overhead(), None, True))
     pool = ggml.ggml_backend_cpu_buffer_from_ptr(buffer.ctypes.data, buffer.nbytes)
     matrices, vectors, out_features, in_features, hidden_width = {}, {}, {}, 0, 0
+    q8_0 = {}
     for kind, ggml_type, ne, offset in pieces:
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
         # A flat base from the piece's first byte to the pool's end, whole blocks only; ggml
@@ -101,6 +111,9 @@ def pool_stacks(kernels: CpuKernels, buffer: np.ndarray, slot_size: int,
             row_bytes = ne[0] // block_size * type_size
             view = ggml.ggml_view_3d(context, base, ne[0], ne[1], n_slots, row_bytes, slot_size, 0)
             matrices[kind] = view
+            if ggml_type == _Q8_0:
+                q8_0[kind] = Q8_0Stack(view, buffer.ctypes.data + offset, row_bytes, slot_size,
+                                       ne[0], ne[1])
             if kind == "down":
                 hidden_width = ne[0]
             else:
@@ -112,7 +125,7 @@ def pool_stacks(kernels: CpuKernels, buffer: np.ndarray, slot_size: int,
             vectors[kind] = view
         check_status(ggml.ggml_backend_view_init(view), "pool stack view")
     stacks = ExpertStacks(matrices, vectors, out_features, in_features, hidden_width, n_slots,
-                          [buffer])
+                          [buffer], q8_0)
     weakref.finalize(stacks, _free_pool, ggml, context, pool)
     return stacks
 
@@ -129,6 +142,8 @@ class MoeFfn:
             raise MoeswapError(f"expert activation '{glu.name}' has no fused graph; "
                                "known: silu, gelu, swiglu_oai")
         self.kernels, self.stacks, self.glu = kernels, stacks, glu
+        # Q8_0 products of several tokens through the faster custom op, same bits
+        self.custom = custom_q8_0(kernels) if stacks.q8_0 else None
         self.width = stacks.out_features["down"]
         self.hidden_width = stacks.hidden_width
         self._graphs: dict[tuple[str, int, int], _Graph] = {}
@@ -189,9 +204,14 @@ class MoeFfn:
         ggml, stacks, t, k = self.kernels.ggml, self.stacks, n_tokens, n_picked
         flat_ids = arena.view(ggml.ggml_view_1d(context, ids, k * t, 0))  # (K*T)
 
+        custom = self.custom if self.custom is not None and self.custom.takes(t, k) else None
+
         def product(kind: str, b: int) -> int:
             """mul_mat_id with the kind's stack, plus its bias -> (O, K, T)."""
-            y = arena.op(ggml.ggml_mul_mat_id(context, stacks.matrices[kind], b, ids))
+            if custom is not None and kind in stacks.q8_0:
+                y = custom.product(context, arena, stacks.q8_0[kind], b, ids, t, k)
+            else:
+                y = arena.op(ggml.ggml_mul_mat_id(context, stacks.matrices[kind], b, ids))
             return with_vector(y, kind, ggml.ggml_add)
 
         def with_vector(y: int, kind: str, combine) -> int:

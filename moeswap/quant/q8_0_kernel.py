@@ -1,0 +1,169 @@
+"""Q8_0 expert products of several tokens at once: a ggml custom op that gives
+``ggml_mul_mat_id``'s bits faster (csrc/q8_0_experts.c says how).
+
+ggml's ``mul_mat_id`` runs Q8_0 through ``vec_dot``: one weight row against one token on one
+accumulator chain, so two tokens on an expert cost twice one, and a batched step or a prompt
+piece runs at the speed of its products rather than of its reads (docs/KERNELS.md, "Q8_0
+experts for several tokens"). The custom op computes the same sums, block for block and lane
+for lane, for a tile of 4 rows and up to 4 of an expert's tokens at once. It is compiled here,
+for this CPU, on first use (``cc -O3 -march=native``, kept under ~/.cache/moeswap/kernels), and
+used only once it matched ``mul_mat_id`` bit for bit on this machine (``_matches``); without a
+C compiler, on another architecture, or on any mismatch the graphs keep ``mul_mat_id``.
+
+A node's arguments (the addresses of the weights, the quantized activations and the ids, fixed
+for a kept graph) live in a ``ctypes`` struct owned here, one per distinct node, so a graph
+built again reuses its struct; the output's address the op reads from its own tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+SOURCE = Path(__file__).with_name("csrc") / "q8_0_experts.c"
+MAX_PICKS = 4096  # tokens x picks of one node (the C side's sort buffers)
+MIN_TOKENS = 2  # with one token ggml's vec_dot streams a row as fast
+_Q8_0, _F32, _I32 = (int(GGMLQuantizationType[n]) for n in ("Q8_0", "F32", "I32"))
+_BLOCK, _BLOCK_BYTES = 32, 34
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Args(ctypes.Structure):
+    _fields_ = [("w", _P), ("w_expert_stride", _I64), ("w_row_stride", _I64),
+                ("n_rows", _I64), ("n_blocks", _I64),
+                ("x", _P), ("x_pick_stride", _I64), ("x_token_stride", _I64), ("x_ne11", _I64),
+                ("ids", _P), ("n_picked", _I64), ("n_tokens", _I64)]
+
+
+@dataclass(frozen=True)
+class Q8_0Stack:
+    """A plain-layout Q8_0 expert stack (or slot pool): expert e's row r at
+    ``address + e * expert_stride + r * row_stride``; ``tensor`` its ggml tensor, ne (in, out,
+    X), which the node takes as an argument so the graph orders it."""
+
+    tensor: int
+    address: int
+    row_stride: int
+    expert_stride: int
+    in_features: int
+    out_features: int
+
+
+class CustomQ8_0:
+    """The compiled op and the argument structs of the nodes built on it."""
+
+    def __init__(self, ggml, function: int):
+        self.ggml, self.function = ggml, function
+        self._args: dict[tuple, _Args] = {}
+
+    @staticmethod
+    def takes(n_tokens: int, n_picked: int) -> bool:
+        return n_tokens >= MIN_TOKENS and n_tokens * n_picked <= MAX_PICKS
+
+    def product(self, context: int, arena, stack: Q8_0Stack, b: int, ids: int,
+                n_tokens: int, n_picked: int) -> int:
+        """The node computing ``ggml_mul_mat_id(stack, b, ids)``: b (in, ne11, T) F32
+        contiguous, ids (K, T) I32 contiguous -> (out, K, T) F32, placed in ``arena``."""
+        ggml, t, k = self.ggml, n_tokens, n_picked
+        ne11 = ggml.ggml_nelements(b) // (stack.in_features * t)
+        quantized = arena.new(_Q8_0, stack.in_features, ne11, t)  # (in, ne11, T)
+        quantized = arena.view(ggml.ggml_cpy(context, b, quantized))  # ggml's quantization
+        key = (stack, ggml.ggml_get_data(quantized), ggml.ggml_get_data(ids), ne11, t, k)
+        args = self._args.get(key)
+        if args is None:
+            row = stack.in_features // _BLOCK * _BLOCK_BYTES
+            args = self._args[key] = _Args(
+                stack.address, stack.expert_stride, stack.row_stride, stack.out_features,
+                stack.in_features // _BLOCK, key[1], row, row * ne11, ne11, key[2], k, t)
+        sources = (_P * 3)(stack.tensor, quantized, ids)
+        return arena.op(ggml.ggml_custom_4d(context, _F32, stack.out_features, k, t, 1, sources,
+                                            3, self.function, -1, ctypes.addressof(args)))
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernels -> op or None
+
+
+def custom_q8_0(kernels) -> CustomQ8_0 | None:
+    """The op for ``kernels``' ggml where it compiles here and matches ``mul_mat_id`` (checked
+    once per ``CpuKernels``)."""
+    if kernels not in _CHECKED:
+        function = _compiled(str(kernels.ggml.lib_dir))
+        op = None if function is None else CustomQ8_0(kernels.ggml, function)
+        _CHECKED[kernels] = op if op is not None and _matches(kernels, op) else None
+    return _CHECKED[kernels]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(lib_dir: str) -> int | None:
+    """The op's address, compiled for this CPU once (cached by source and compiler flags)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    flags = ["-O3", "-march=native", "-shared", "-fPIC"]
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MOESWAP_CACHE", "~/.cache/moeswap")).expanduser() / "kernels"
+    library = cache / f"q8_0_experts-{digest}.so"
+    if not library.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as work:  # renamed in whole: no torn file
+            built = Path(work) / library.name
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)],
+                                  capture_output=True)
+            if done.returncode != 0:
+                return None
+            built.replace(library)
+    try:
+        return ctypes.cast(ctypes.CDLL(str(library)).moeswap_q8_0_experts, _P).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _matches(kernels, op: CustomQ8_0) -> bool:
+    """Whether the op gives ``mul_mat_id``'s bits on a random stack, tokens sharing experts,
+    activations one row a token and one a pick, rows not a multiple of the tile."""
+    from moeswap.quant.graph_arena import Arena, new_context
+
+    ggml, rng = kernels.ggml, np.random.default_rng(0)
+    d, out, n_experts, t, k = 256, 70, 4, 5, 3
+    raw = np.ascontiguousarray(quantize(
+        rng.standard_normal((n_experts * out, d), dtype=np.float32), GGMLQuantizationType.Q8_0))
+    weight = kernels.bind(raw.reshape(-1), _Q8_0, (d, out, n_experts), "self-check")
+    row = d // _BLOCK * _BLOCK_BYTES
+    stack = Q8_0Stack(weight.tensor, raw.ctypes.data, row, row * out, d, out)
+    ids = torch.tensor(rng.integers(0, n_experts, (t, k)), dtype=torch.int32)  # [T, K]
+    for ne11 in (1, k):
+        x = torch.tensor(rng.standard_normal((t, ne11, d)), dtype=torch.float32)
+        results = []
+        for custom in (False, True):
+            context = new_context(ggml, 16)
+            try:
+                arena = Arena(kernels, context)
+                x_in, ids_in = arena.new(_F32, d, ne11, t), arena.new(_I32, k, t)
+                y = (op.product(context, arena, stack, x_in, ids_in, t, k) if custom else
+                     arena.op(ggml.ggml_mul_mat_id(context, weight.tensor, x_in, ids_in)))
+                graph = ggml.ggml_new_graph_custom(context, 16, False)
+                ggml.ggml_build_forward_expand(graph, y)
+                result = torch.empty(t, k, out)
+                kernels.run(graph, [(arena.offsets[x_in], x.data_ptr(), x.nbytes),
+                                    (arena.offsets[ids_in], ids.data_ptr(), ids.nbytes)],
+                            (result.data_ptr(), result.nbytes), arena.offsets[y])
+                results.append(result)
+            finally:
+                ggml.ggml_free(context)
+        if not torch.equal(*results):
+            return False
+    return True
