@@ -181,4 +181,4 @@ def test_chat_without_a_model_chats_with_the_built_in_one(monkeypatch, capsys):
     assert main(["chat", "-c", "128", "-t", "1", "-n", "4", "--temp", "0"]) == 0
     err = capsys.readouterr().err
     assert f"loaded {moeswap.DEFAULT_MODEL}: " in err
-    assert "moeswap chat: experts: all 96 in RAM (the mapped file)" in err
+    assert "moeswap chat: experts: all 96 in RAM (copied from the file)" in err  # fits in RAM

@@ -54,7 +54,8 @@ def memory_summary(runtime, model_path, charge: HostCharge) -> list[str]:
                 + ", ".join(budget)]
     experts = f"experts {format_size(routed)}" if routed is not None else "experts"
     return ["memory: every weight in RAM (no --host-mem): " + ", ".join(budget + [experts]),
-            f"experts: all {n_experts} in RAM (the mapped file)"]
+            f"experts: all {n_experts} in RAM ("
+            + ("copied from the file)" if runtime.model.weights_in_ram else "the mapped file)")]
 
 
 def _store_summary(stats: dict, n_experts: int) -> list[str]:

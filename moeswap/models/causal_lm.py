@@ -69,6 +69,7 @@ class CausalLM:
         # step as one ggml graph (moeswap.models.token_graph): the loader's, for GGUF files
         self.head_graph: Any = None
         self.token_graph: Any = None
+        self.weights_in_ram = False  # a GGUF's data copied out of the mapped file (the loader's)
 
     def new_cache(self) -> KVCache:
         """An empty cache whose sliding-window layers keep only what they can still see,

@@ -160,6 +160,7 @@ def _load_model(path: Path, verbose_log: Callable[[str], None], threads: int | N
         model.head_graph = head_graph.attach(model, kernels)
         model.token_graph = token_graph.attach(model, kernels)
     model.context, model.step_tokens = context_tokens, step_tokens
+    model.weights_in_ram = gguf is not None and in_ram and expert_runner is None
     model.kv_dtype = KV_DTYPES[kv_type]
     if kv_type == "q8_0":
         _refuse_q8_0_cache(path, config.arch, model, graphs and kernels is not None)
