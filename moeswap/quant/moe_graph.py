@@ -9,8 +9,9 @@ picks, k = 0, 1, ..., K-1, one ``ggml_add`` each. A call is one copy in of x, id
 one ``ggml_backend_graph_compute`` and one copy out, where the per-matrix path made three
 products and a dozen torch calls.
 
-Exactness: the products are the same ggml kernels on the same token groups, and an add or a
-multiply is one IEEE operation wherever it runs, so the one difference from the per-matrix path
+Exactness: the products are the same ggml kernels on the same token groups (for plain Q8_0
+stacks and two or more tokens, a custom op with ``mul_mat_id``'s bits: moeswap.quant.q8_0_kernel),
+and an add or a multiply is one IEEE operation wherever it runs, so the one difference from the per-matrix path
 is the activation: ggml's (silu as ``ggml_swiglu_split``; tanh gelu written out in ggml's exact ops,
 since ``ggml_geglu`` reads an fp16 table on the CPU; GPT-OSS's clamped ``ggml_swiglu_oai``)
 instead of torch's. Every runner that must agree bit for bit runs this graph.
