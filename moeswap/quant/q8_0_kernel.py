@@ -6,9 +6,10 @@ accumulator chain, so two tokens on an expert cost twice one, and a batched step
 piece runs at the speed of its products rather than of its reads (docs/KERNELS.md, "Q8_0
 experts for several tokens"). The custom op computes the same sums, block for block and lane
 for lane, for a tile of 4 rows and up to 4 of an expert's tokens at once. It is compiled here,
-for this CPU, on first use (``cc -O3 -march=native``, kept under ~/.cache/moeswap/kernels), and
-used only once it matched ``mul_mat_id`` bit for bit on this machine (``_matches``); without a
-C compiler, on another architecture, or on any mismatch the graphs keep ``mul_mat_id``.
+for this CPU, on first use (``cc -O3 -march=native``, kept under ~/.cache/moeswap/kernels by the
+source's, compiler's and CPU's hash), and used only once it matched ``mul_mat_id`` bit for bit
+on this machine (``_matches``); without a C compiler, on another architecture, with an
+unwritable cache, or on any mismatch the graphs keep ``mul_mat_id``.
 
 A node's arguments (the addresses of the weights, the quantized activations and the ids, fixed
 for a kept graph) live in a ``ctypes`` struct owned here, one per distinct node, so a graph
@@ -21,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -113,23 +115,36 @@ def _compiled(lib_dir: str) -> int | None:
     if compiler is None:
         return None
     flags = ["-O3", "-march=native", "-shared", "-fPIC"]
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    # built for this CPU: a home folder shared with another CPU must not load it (SIGILL)
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(
+        [compiler, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MOESWAP_CACHE", "~/.cache/moeswap")).expanduser() / "kernels"
     library = cache / f"q8_0_experts-{digest}.so"
     if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as work:  # renamed in whole: no torn file
-            built = Path(work) / library.name
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)],
-                                  capture_output=True)
-            if done.returncode != 0:
-                return None
-            built.replace(library)
+        try:  # an unwritable cache or a vanished compiler: ggml's own product, as without one
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as work:  # renamed whole: no torn file
+                built = Path(work) / library.name
+                done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)],
+                                      capture_output=True)
+                if done.returncode != 0:
+                    return None
+                built.replace(library)
+        except OSError:
+            return None
     try:
         return ctypes.cast(ctypes.CDLL(str(library)).moeswap_q8_0_experts, _P).value
     except (OSError, AttributeError):
         return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux's /proc/cpuinfo), else the processor's name."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 def _matches(kernels, op: CustomQ8_0) -> bool:
