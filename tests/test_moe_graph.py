@@ -178,13 +178,13 @@ def test_without_a_compiler_q8_0_experts_keep_mul_mat_id(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MOESWAP_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    assert q8_0_kernel._compiled.__wrapped__("any") is None
+    assert q8_0_kernel._compiled.__wrapped__() is None
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written kept
     monkeypatch.delenv("CC")
     monkeypatch.setattr(q8_0_kernel.shutil, "which", lambda name: None)  # none at all
-    assert q8_0_kernel._compiled.__wrapped__("any") is None
+    assert q8_0_kernel._compiled.__wrapped__() is None
     monkeypatch.setenv("CC", "gcc")
     unwritable = tmp_path / "file"
     unwritable.write_text("")
     monkeypatch.setenv("MOESWAP_CACHE", str(unwritable))  # its kernels folder cannot be made
-    assert q8_0_kernel._compiled.__wrapped__("any") is None
+    assert q8_0_kernel._compiled.__wrapped__() is None

@@ -37,7 +37,7 @@ from gguf.quants import quantize
 
 SOURCE = Path(__file__).with_name("csrc") / "q8_0_experts.c"
 MAX_PICKS = 4096  # tokens x picks of one node (the C side's sort buffers)
-MIN_TOKENS = 2  # with one token ggml's vec_dot streams a row as fast
+MIN_TOKENS = 2  # with one token ggml's vec_dot is faster (one row stream a thread)
 _Q8_0, _F32, _I32 = (int(GGMLQuantizationType[n]) for n in ("Q8_0", "F32", "I32"))
 _BLOCK, _BLOCK_BYTES = 32, 34
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -102,15 +102,15 @@ def custom_q8_0(kernels) -> CustomQ8_0 | None:
     """The op for ``kernels``' ggml where it compiles here and matches ``mul_mat_id`` (checked
     once per ``CpuKernels``)."""
     if kernels not in _CHECKED:
-        function = _compiled(str(kernels.ggml.lib_dir))
+        function = _compiled()
         op = None if function is None else CustomQ8_0(kernels.ggml, function)
         _CHECKED[kernels] = op if op is not None and _matches(kernels, op) else None
     return _CHECKED[kernels]
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(lib_dir: str) -> int | None:
-    """The op's address, compiled for this CPU once (cached by source and compiler flags)."""
+@functools.cache
+def _compiled() -> int | None:
+    """The op's address, compiled for this CPU once (the library cached on disk)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
@@ -158,7 +158,7 @@ def _matches(kernels, op: CustomQ8_0) -> bool:
         rng.standard_normal((n_experts * out, d), dtype=np.float32), GGMLQuantizationType.Q8_0))
     weight = kernels.bind(raw.reshape(-1), _Q8_0, (d, out, n_experts), "self-check")
     row = d // _BLOCK * _BLOCK_BYTES
-    stack = Q8_0Stack(weight.tensor, raw.ctypes.data, row, row * out, d, out)
+    stack = Q8_0Stack(weight.tensor, weight.keep_alive.ctypes.data, row, row * out, d, out)
     ids = torch.tensor(rng.integers(0, n_experts, (t, k)), dtype=torch.int32)  # [T, K]
     for ne11 in (1, k):
         x = torch.tensor(rng.standard_normal((t, ne11, d)), dtype=torch.float32)
