@@ -299,6 +299,12 @@ def test_plan_suite_worked_cases(tmp_path):
         plans[0]["moeswap"]["rates"]["source"]
 
 
+def test_rounds_must_be_one_or_more(tmp_path, capsys):
+    assert main(["bench", "--suite", "decode", "--size", "smoke", "--rounds", "0",
+                 "-o", str(tmp_path / "out")]) == 2  # a usage error, as argparse's
+    assert "--rounds must be 1 or more, got 0" in capsys.readouterr().err
+
+
 def test_a_failed_round_is_the_engines_result():
     from moeswap.bench.suites.decode import over_rounds
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from moeswap.bench.scenarios import ENGINES, RunSpec
 from moeswap.bench.worker import run_isolated
+from moeswap.errors import MoeswapError
 
 MODELS = ("gemma3", "mixtral", "mixtral-q4km", "stdlib-moe")
 SIZES = {"full": dict(prompt_tokens=64, gen_tokens=32, mixtral_gb=1.05, tiny=False, rounds=3),
@@ -85,6 +86,8 @@ def run(args, out_dir: Path) -> tuple[dict, str]:
         if getattr(args, key) is not None:
             size[key] = getattr(args, key)
     n_prompt, n_gen = size["prompt_tokens"], size["gen_tokens"]
+    if size["rounds"] < 1:
+        raise MoeswapError(f"--rounds must be 1 or more, got {size['rounds']}")
     engines = [e.strip() for e in args.engines.split(",") if e.strip() in ENGINES]
     rows = []
     for label, path in models(args, size):
