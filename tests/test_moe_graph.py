@@ -188,3 +188,26 @@ def test_without_a_compiler_q8_0_experts_keep_mul_mat_id(tmp_path, monkeypatch):
     unwritable.write_text("")
     monkeypatch.setenv("MOESWAP_CACHE", str(unwritable))  # its kernels folder cannot be made
     assert q8_0_kernel._compiled.__wrapped__() is None
+
+
+def test_few_picks_group_as_many_do():
+    """The decode steps' plain-Python grouping (<= 16 picks) gives torch's: experts ascending,
+    each with its picks ascending; and one piece holds every pick of a short step."""
+    from moeswap.models import quant_experts
+    from moeswap.models.quant_experts import group_picks, picks_by_piece
+
+    generator = torch.Generator().manual_seed(4)
+    for n_tokens, n_picked in ((1, 2), (1, 8), (2, 8), (4, 4), (16, 1)):
+        ids = torch.randint(0, 6, (n_tokens, n_picked), generator=generator, dtype=torch.int32)
+        few = group_picks(ids)
+        saved, quant_experts._FEW_PICKS = quant_experts._FEW_PICKS, 0  # torch's path
+        try:
+            many = group_picks(ids)
+        finally:
+            quant_experts._FEW_PICKS = saved
+        assert [e for e, _ in few] == [e for e, _ in many]
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(few, many))
+        for _, picks in few:
+            assert [p.tolist() for p in picks_by_piece(picks, n_picked)] == [picks.tolist()]
+    late = torch.tensor([0, 5, 64, 65, 130])  # K = 2: tokens 0, 2, 32, 32, 65 -> three pieces
+    assert [p.tolist() for p in picks_by_piece(late, 2)] == [[0, 5], [64, 65], [130]]

@@ -125,9 +125,17 @@ class ExpertLayout:
         return cls(layer, matrices, biases)
 
 
+_FEW_PICKS = 16  # up to this many picks a step, grouped without torch ops
+
+
 def group_picks(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """ids [T, K] -> per used expert, ascending: (expert, its picks as indices into T*K)."""
     flat = ids.flatten()  # [T*K]
+    if flat.numel() <= _FEW_PICKS:  # a decode step: plain Python beats torch's per-call cost
+        picks_of: dict[int, list[int]] = {}
+        for pick, expert in enumerate(flat.tolist()):
+            picks_of.setdefault(expert, []).append(pick)
+        return [(expert, torch.tensor(picks_of[expert])) for expert in sorted(picks_of)]
     order = torch.argsort(flat, stable=True)  # [T*K] grouped by expert, tokens ascending
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)
     return list(zip(used.tolist(), order.split(counts.tolist())))
@@ -198,6 +206,8 @@ def picks_by_piece(picks: torch.Tensor, n_picked: int) -> list[torch.Tensor]:
     """picks [P] ascending (indices into N*K, K = ``n_picked``) -> those of each piece
     ``run_in_pieces`` cuts, in order: the offload store reads an expert once for a whole step
     and computes its picks on these pieces, the resident runner's token groups."""
+    if picks.numel() and int(picks[-1]) < n_picked * MAX_TOKENS_PER_CALL:
+        return [picks]  # all in the first piece (every decode step)
     piece = picks // (n_picked * MAX_TOKENS_PER_CALL)  # [P]
     counts = torch.unique_consecutive(piece, return_counts=True)[1]
     return list(picks.split(counts.tolist()))
