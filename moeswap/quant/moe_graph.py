@@ -80,9 +80,7 @@ def weight_stacks(matrices: dict, vectors: dict) -> ExpertStacks:
     q8_0 = {}
     for kind, w in matrices.items():
         if w.ggml_type == _Q8_0 and w.keep_alive is not None:  # plain layout (not repacked)
-            row = w.ne[0] // 32 * 34
-            q8_0[kind] = Q8_0Stack(w.tensor, w.keep_alive.ctypes.data, row, row * w.ne[1],
-                                   w.ne[0], w.ne[1])
+            q8_0[kind] = Q8_0Stack.plain(w.tensor, w.keep_alive.ctypes.data, w.ne[:2])
     return ExpertStacks({kind: w.tensor for kind, w in matrices.items()},
                         {kind: w.tensor for kind, w in vectors.items()}, out_features,
                         first.ne[0], matrices["down"].ne[0], matrices["down"].ne[2],
@@ -113,8 +111,7 @@ def pool_stacks(kernels: CpuKernels, buffer: np.ndarray, slot_size: int,
             view = ggml.ggml_view_3d(context, base, ne[0], ne[1], n_slots, row_bytes, slot_size, 0)
             matrices[kind] = view
             if ggml_type == _Q8_0:
-                q8_0[kind] = Q8_0Stack(view, buffer.ctypes.data + offset, row_bytes, slot_size,
-                                       ne[0], ne[1])
+                q8_0[kind] = Q8_0Stack.plain(view, buffer.ctypes.data + offset, ne, slot_size)
             if kind == "down":
                 hidden_width = ne[0]
             else:

@@ -32,14 +32,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 SOURCE = Path(__file__).with_name("csrc") / "q8_0_experts.c"
 MAX_PICKS = 4096  # tokens x picks of one node (the C side's sort buffers)
 MIN_TOKENS = 2  # with one token ggml's vec_dot is faster (one row stream a thread)
 _Q8_0, _F32, _I32 = (int(GGMLQuantizationType[n]) for n in ("Q8_0", "F32", "I32"))
-_BLOCK, _BLOCK_BYTES = 32, 34
+_BLOCK, _BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # 32 numbers, 34 bytes
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -62,6 +62,20 @@ class Q8_0Stack:
     expert_stride: int
     in_features: int
     out_features: int
+
+    @classmethod
+    def plain(cls, tensor: int, address: int, ne: tuple[int, int],
+              expert_stride: int | None = None) -> Q8_0Stack:
+        """The stack of ne (in, out) experts at ``address``, one after the other unless
+        ``expert_stride`` (a slot pool's slot size) says otherwise."""
+        row = row_bytes(ne[0])
+        return cls(tensor, address, row, row * ne[1] if expert_stride is None else expert_stride,
+                   *ne)
+
+
+def row_bytes(n: int) -> int:
+    """Bytes of a Q8_0 row of n numbers."""
+    return n // _BLOCK * _BLOCK_BYTES
 
 
 class CustomQ8_0:
@@ -86,7 +100,7 @@ class CustomQ8_0:
         key = (stack, ggml.ggml_get_data(quantized), ggml.ggml_get_data(ids), ne11, t, k)
         args = self._args.get(key)
         if args is None:
-            row = stack.in_features // _BLOCK * _BLOCK_BYTES
+            row = row_bytes(stack.in_features)  # of the quantized activations
             args = self._args[key] = _Args(
                 stack.address, stack.expert_stride, stack.row_stride, stack.out_features,
                 stack.in_features // _BLOCK, key[1], row, row * ne11, ne11, key[2], k, t)
@@ -157,8 +171,7 @@ def _matches(kernels, op: CustomQ8_0) -> bool:
     raw = np.ascontiguousarray(quantize(
         rng.standard_normal((n_experts * out, d), dtype=np.float32), GGMLQuantizationType.Q8_0))
     weight = kernels.bind(raw.reshape(-1), _Q8_0, (d, out, n_experts), "self-check")
-    row = d // _BLOCK * _BLOCK_BYTES
-    stack = Q8_0Stack(weight.tensor, weight.keep_alive.ctypes.data, row, row * out, d, out)
+    stack = Q8_0Stack.plain(weight.tensor, weight.keep_alive.ctypes.data, (d, out))
     ids = torch.tensor(rng.integers(0, n_experts, (t, k)), dtype=torch.int32)  # [T, K]
     for ne11 in (1, k):
         x = torch.tensor(rng.standard_normal((t, ne11, d)), dtype=torch.float32)
