@@ -160,17 +160,17 @@ def test_a_streamed_step_reads_the_down_bias_with_the_down_matrix(tmp_path, monk
 @pytest.mark.parametrize("fused", [False, True])
 def test_q8_0_experts_of_several_tokens_give_mul_mat_ids_bits(kernels, activation, fused):
     """The custom op for Q8_0 experts (moeswap/quant/q8_0_kernel.py) computes ggml's sums in
-    ggml's order: the same bits as ``mul_mat_id`` for any tokens and picks, tiles of 4 rows and
-    4 tokens and their remainders; one token keeps ``mul_mat_id``."""
+    ggml's order: the same bits as ``mul_mat_id`` for any tokens and picks (an expert's tokens
+    4 at a time, and the remainder); beyond 4,096 picks a node keeps ``mul_mat_id``."""
     ffn, *_ = layer(kernels, Q.Q8_0, activation, fused, seed=3)
     assert ffn.custom is not None  # a C compiler is there (CI's machines have gcc)
     plain = MoeFfn(kernels, ffn.stacks, GLUS[activation])
     plain.custom = None
-    for n_tokens, n_picked in ((2, 1), (3, 2), (8, 2), (13, 4), (32, 8), (64, 2)):
+    for n_tokens, n_picked in ((1, 1), (1, 8), (2, 1), (3, 2), (8, 2), (13, 4), (32, 8), (64, 2)):
         x, ids, weights = picks(n_tokens, n_picked, seed=n_tokens + n_picked)
         assert torch.equal(ffn.run(x, ids, weights), plain.run(x, ids, weights))
         assert torch.equal(ffn.hidden(x, ids), plain.hidden(x, ids))
-    assert not ffn.custom.takes(1, 8) and ffn.custom.takes(2, 8)
+    assert ffn.custom.takes(1, 8) and ffn.custom.takes(512, 8) and not ffn.custom.takes(513, 8)
 
 
 def test_without_a_compiler_q8_0_experts_keep_mul_mat_id(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ ggml's ``mul_mat_id`` runs Q8_0 through ``vec_dot``: one weight row against one 
 accumulator chain, so two tokens on an expert cost twice one, and a batched step or a prompt
 piece runs at the speed of its products rather than of its reads (docs/KERNELS.md, "Q8_0
 experts for several tokens"). The custom op computes the same sums, block for block and lane
-for lane, for a tile of 4 rows and up to 4 of an expert's tokens at once. It is compiled here,
+for lane, one row against up to 4 of an expert's tokens at once. It is compiled here,
 for this CPU, on first use (``cc -O3 -march=native``, kept under ~/.cache/moeswap/kernels by the
 source's, compiler's and CPU's hash), and used only once it matched ``mul_mat_id`` bit for bit
 on this machine (``_matches``); without a C compiler, on another architecture, with an
@@ -37,7 +37,6 @@ from gguf.quants import quantize
 
 SOURCE = Path(__file__).with_name("csrc") / "q8_0_experts.c"
 MAX_PICKS = 4096  # tokens x picks of one node (the C side's sort buffers)
-MIN_TOKENS = 2  # with one token ggml's vec_dot is faster (one row stream a thread)
 _Q8_0, _F32, _I32 = (int(GGMLQuantizationType[n]) for n in ("Q8_0", "F32", "I32"))
 _BLOCK, _BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # 32 numbers, 34 bytes
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -87,7 +86,7 @@ class CustomQ8_0:
 
     @staticmethod
     def takes(n_tokens: int, n_picked: int) -> bool:
-        return n_tokens >= MIN_TOKENS and n_tokens * n_picked <= MAX_PICKS
+        return n_tokens * n_picked <= MAX_PICKS
 
     def product(self, context: int, arena, stack: Q8_0Stack, b: int, ids: int,
                 n_tokens: int, n_picked: int) -> int:
@@ -163,7 +162,7 @@ def _cpu_flags() -> str:
 
 def _matches(kernels, op: CustomQ8_0) -> bool:
     """Whether the op gives ``mul_mat_id``'s bits on a random stack, tokens sharing experts,
-    activations one row a token and one a pick, rows not a multiple of the tile."""
+    activations one row a token and one a pick."""
     from moeswap.quant.graph_arena import Arena, new_context
 
     ggml, rng = kernels.ggml, np.random.default_rng(0)
