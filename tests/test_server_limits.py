@@ -72,6 +72,45 @@ def test_cancelled_request_leaves_the_batch_and_drops_its_cache(runtime):
     assert scheduler.counters.requests_finished == {"cancelled": 1, "length": 1}
 
 
+def test_drain_steps_on_the_callers_thread_as_the_loop_does(runtime):
+    """``start(here=True)`` then ``drain``: every request ends, on the calling thread, with
+    the tokens the scheduler's own thread gives (3 requests through a batch of 2: one waits)."""
+    prompts = [runtime.encode(p) for p in ("ab", "cd", "efg")]
+
+    def run(here: bool) -> tuple[list[list[int]], set]:
+        scheduler = BatchScheduler(runtime.model, BatchOptions(max_batch=2, ctx=64))
+        tokens, threads = [[] for _ in prompts], set()
+        ended = threading.Semaphore(0)
+
+        def on_event(i):
+            def record(e):
+                threads.add(threading.get_ident())
+                if e.token is not None:
+                    tokens[i].append(e.token)
+                else:
+                    ended.release()
+            return record
+
+        scheduler.start(here=here)
+        try:
+            for i, prompt in enumerate(prompts):
+                scheduler.submit(prompt, max_tokens=5, sampler=Sampler(GREEDY),
+                                 stop_ids=frozenset(), on_event=on_event(i))
+            if here:
+                scheduler.drain()
+            for _ in prompts:
+                assert ended.acquire(timeout=60)
+        finally:
+            scheduler.stop()
+        assert scheduler.counters.requests_finished == {"length": 3}
+        return tokens, threads
+
+    drained, drained_on = run(here=True)
+    looped, looped_on = run(here=False)
+    assert drained == looped and all(len(t) == 5 for t in drained)
+    assert drained_on == {threading.get_ident()} and threading.get_ident() not in looped_on
+
+
 def test_leaving_a_stream_early_cancels_its_requests(runtime):
     from moeswap.sampling import SamplingParams
     from moeswap.server.choices import Choices

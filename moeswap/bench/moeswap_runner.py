@@ -6,7 +6,6 @@ a batch."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
@@ -90,11 +89,10 @@ def run_batched(model, spec: RunSpec, memory: MemoryTrace) -> dict:
     arrivals: list[list[float]] = [[] for _ in range(n)]
     outputs: list[list[int]] = [[] for _ in range(n)]
     errors: list[str] = []
-    ended = threading.Semaphore(0)
     sampled_step = [-1]
 
     def listener(i: int):
-        def on_event(event) -> None:  # called on the batching thread, between steps
+        def on_event(event) -> None:  # called between steps
             if event.token is not None:
                 arrivals[i].append(time.perf_counter())
                 outputs[i].append(event.token)
@@ -104,20 +102,15 @@ def run_batched(model, spec: RunSpec, memory: MemoryTrace) -> dict:
                 return
             if event.error:
                 errors.append(event.error)
-            ended.release()
         return on_event
 
-    def submit_all() -> None:  # under the model lock: the requests queue before a step runs
+    scheduler.start(here=True)  # steps on this thread, which loaded the model (drain's why)
+    try:
+        start = time.perf_counter()
         for i, prompt in enumerate(spec.prompts):
             scheduler.submit(prompt, max_tokens=spec.gen_tokens, sampler=Sampler(GREEDY),
                              stop_ids=frozenset(), on_event=listener(i))
-
-    scheduler.start()
-    try:
-        start = time.perf_counter()
-        scheduler.read_model(submit_all)
-        for _ in range(n):
-            ended.acquire()
+        scheduler.drain()
         end = time.perf_counter()
     finally:
         scheduler.stop()

@@ -149,14 +149,19 @@ class BatchScheduler:
         self._model_lock = threading.Lock()  # held while the model computes a step
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._here = False  # stepped by the caller (drain), not a thread
         self._trim_heap = heap_trimmer()
         self._slots = Slots(options.max_batch, model.new_cache)
         self._model_files = FileWatch.of_source(getattr(model, "source", None))  # issue 23
 
-    def start(self) -> None:
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="moeswap-batching", daemon=True)
-        self._thread.start()
+    def start(self, here: bool = False) -> None:
+        """Steps on a thread of the scheduler's own, or (``here``) on the caller's, in
+        ``drain``."""
+        self._stopping, self._here = False, here
+        if not here:
+            self._thread = threading.Thread(target=self._loop, name="moeswap-batching",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self) -> None:
         with self._wake:
@@ -171,7 +176,7 @@ class BatchScheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._here or self._thread is not None and self._thread.is_alive()
 
     @property
     def queue_depth(self) -> int:
@@ -223,22 +228,42 @@ class BatchScheduler:
                     self._wake.wait()
                 if self._stopping:
                     return
-                while self._waiting and len(self._active) < self.options.max_batch:
-                    request = self._waiting.popleft()
-                    if request.cancelled:
-                        self._finish(request, "cancelled")
-                        continue
-                    request.slot, request.cache, request.cached = self._slots.take(request.ids)
-                    request.fed = request.cached
-                    self._active.append(request)
-                    self.counters.requests_admitted += 1
-                    self.counters.prompt_tokens += len(request.ids)
-                    self.counters.cached_tokens += request.cached
-            try:
-                self._step()
-            except Exception as e:  # the loop must outlive any one step
-                for request in list(self._active):
-                    self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
+                self._admit()
+            self._step_safely()
+
+    def drain(self) -> None:
+        """Run the loop on the calling thread until every submitted request has ended (after
+        ``start(here=True)``). The bench steps on the thread that loaded the model: libgomp
+        spins at ggml's barriers only while its threads fit the cores, and a second thread
+        with a team of its own made a batched step ~1.4x slower here (docs/KERNELS.md,
+        "Thread discipline")."""
+        while True:
+            with self._wake:
+                self._admit()
+                if not self._active:
+                    return
+            self._step_safely()
+
+    def _admit(self) -> None:
+        """Waiting requests into the batch while it has room (under ``_wake``)."""
+        while self._waiting and len(self._active) < self.options.max_batch:
+            request = self._waiting.popleft()
+            if request.cancelled:
+                self._finish(request, "cancelled")
+                continue
+            request.slot, request.cache, request.cached = self._slots.take(request.ids)
+            request.fed = request.cached
+            self._active.append(request)
+            self.counters.requests_admitted += 1
+            self.counters.prompt_tokens += len(request.ids)
+            self.counters.cached_tokens += request.cached
+
+    def _step_safely(self) -> None:
+        try:
+            self._step()
+        except Exception as e:  # the loop must outlive any one step
+            for request in list(self._active):
+                self._finish(request, None, error=f"generation failed: {type(e).__name__}: {e}")
 
     def _feeds(self) -> list[tuple[Request, int]]:
         """(request, how many of its unfed tokens) for this step, at most ``step_tokens`` in
