@@ -149,3 +149,19 @@ def test_models_whose_ffn_leaves_the_layer_graph_run_layer_by_layer(q8_files, tm
     tiny_models.save("deepseek2", tmp_path / "hf")  # MLA keeps torch attention
     path = convert(tmp_path / "hf", tmp_path / "model.q8_0.gguf", "q8_0")
     assert load_model(path).token_graph is None
+
+
+@pytest.mark.parametrize("n_ids", [1, 64, 65, 300])
+def test_token_ids_outside_the_vocabulary_are_refused_before_ggml(q8_files, n_ids):
+    """ggml's lookup would abort the process on an id outside its table: a short step's ids
+    (checked in Python) and a long one's (one numpy reduction) both raise ValueError, at either
+    end, through the token graph and the layer-by-layer path; the cache is left as it was."""
+    model = load_model(q8_files("mixtral", **FAMILIES["mixtral"]))
+    cache = model.new_cache()
+    for bad in (-1, tiny_models.VOCAB):
+        ids = IDS[:n_ids].clone()
+        ids[n_ids // 2] = bad
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {tiny_models.VOCAB}\)"):
+            model.forward([ids], [cache])
+        assert cache.length == 0
+    assert model.forward([IDS[:n_ids]], [cache])[0].shape == (n_ids, tiny_models.VOCAB)

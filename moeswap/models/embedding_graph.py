@@ -23,6 +23,7 @@ _F32, _I32 = int(GGMLQuantizationType.F32), int(GGMLQuantizationType.I32)
 GROUP_TOKENS = 512  # tokens per lookup graph (a longer input takes several)
 EMBEDDING_NODES = 4  # tensors and nodes ``nodes`` makes, with room
 _KEPT = 8  # lookup graphs kept (one per group size seen last)
+_FEW_IDS = 64  # ids checked in Python (one reduction through numpy costs more below this)
 
 
 class EmbeddingGraph:
@@ -49,8 +50,12 @@ class EmbeddingGraph:
         """ids [N] as ggml takes them, int32 [N]; ValueError for an id outside the table
         (ggml would abort the process)."""
         ids = ids.reshape(-1).to(torch.int32).contiguous()  # [N]
-        # As unsigned, negative ids become huge: one reduction checks both ends.
-        if ids.numel() and int(ids.numpy().view(np.uint32).max()) >= self.vocabulary:
+        if ids.numel() <= _FEW_IDS:  # a decode step: Python's min/max beat numpy's call
+            values = ids.tolist()
+            bad = bool(values) and (min(values) < 0 or max(values) >= self.vocabulary)
+        else:  # as unsigned, negative ids become huge: one reduction checks both ends
+            bad = int(ids.numpy().view(np.uint32).max()) >= self.vocabulary
+        if bad:
             raise ValueError(f"token ids must lie in [0, {self.vocabulary}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
         return ids

@@ -470,8 +470,8 @@ def shared_positions(shared: dict, spans: tuple) -> torch.Tensor:
     """The positions [T] of pieces (first position, length), made once per forward (every
     layer feeds the same)."""
     if spans not in shared:
-        shared[spans] = torch.cat([torch.arange(first, first + n)
-                                   for first, n in spans]).to(torch.int32)  # [T]
+        shared[spans] = torch.cat([torch.arange(first, first + n, dtype=torch.int32)
+                                   for first, n in spans])  # [T]
     return shared[spans]
 
 
