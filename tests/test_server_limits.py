@@ -102,6 +102,7 @@ def test_drain_steps_on_the_callers_thread_as_the_loop_does(runtime):
                 assert ended.acquire(timeout=60)
         finally:
             scheduler.stop()
+        assert not scheduler.alive  # stopped: submit refuses, as after the thread's end
         assert scheduler.counters.requests_finished == {"length": 3}
         return tokens, threads
 

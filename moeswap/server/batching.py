@@ -169,6 +169,7 @@ class BatchScheduler:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
+        self._here = False
         for request in list(self._waiting) + self._active:
             self._emit(request, Event(finish_reason="cancelled"))
         self._waiting.clear()
