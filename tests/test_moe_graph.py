@@ -158,7 +158,7 @@ def test_a_streamed_step_reads_the_down_bias_with_the_down_matrix(tmp_path, monk
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_q8_0_experts_of_several_tokens_give_mul_mat_ids_bits(kernels, activation, fused):
+def test_q8_0_custom_op_gives_mul_mat_ids_bits(kernels, activation, fused):
     """The custom op for Q8_0 experts (moeswap/quant/q8_0_kernel.py) computes ggml's sums in
     ggml's order: the same bits as ``mul_mat_id`` for any tokens and picks (an expert's tokens
     4 at a time, and the remainder); beyond 4,096 picks a node keeps ``mul_mat_id``."""

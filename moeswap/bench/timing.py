@@ -5,8 +5,9 @@ one step), so first-call costs -- page-table faults on a mapped file, kernel set
 in the figures. Each prompt is then fed in ``prefill_chunk``-token pieces (both engines the
 same), ``prompt_repeats`` times from an empty cache (its time the median: a short prompt's one
 timing is a fraction of a second, within the machine's drift), then greedy single-token steps.
-Times cover the engine's work only; the memory samples between steps are outside them. Time to first token counts from the scenario's start, so for several
-prompts run one after another it includes the wait for the earlier ones.
+Times cover the engine's work only; the memory samples between steps are outside them. Time
+to first token counts from the scenario's start, so for several prompts run one after another
+it includes the wait for the earlier ones.
 """
 
 from __future__ import annotations

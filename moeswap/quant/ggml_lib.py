@@ -65,7 +65,7 @@ _SIGNATURES = {
     "ggml_scale_bias": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_swiglu_oai": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, ctypes.c_float, ctypes.c_float]),
     "ggml_backend_view_init": (_INT, [_VOID_P]),
-    # Q8_0 experts of several tokens (moeswap/quant/q8_0_kernel.py): a custom op.
+    # Q8_0 experts (moeswap/quant/q8_0_kernel.py): a custom op.
     "ggml_custom_4d": (_VOID_P, [_VOID_P, _INT, _I64, _I64, _I64, _I64, _VOID_P, _INT, _VOID_P,
                                  _INT, _VOID_P]),
     "ggml_get_data": (_VOID_P, [_VOID_P]),

@@ -10,8 +10,8 @@ one ``ggml_backend_graph_compute`` and one copy out, where the per-matrix path m
 products and a dozen torch calls.
 
 Exactness: the products are the same ggml kernels on the same token groups (for plain Q8_0
-stacks and two or more tokens, a custom op with ``mul_mat_id``'s bits: moeswap.quant.q8_0_kernel),
-and an add or a multiply is one IEEE operation wherever it runs, so the one difference from the per-matrix path
+stacks, a custom op with ``mul_mat_id``'s bits: moeswap.quant.q8_0_kernel), and an add or a
+multiply is one IEEE operation wherever it runs, so the one difference from the per-matrix path
 is the activation: ggml's (silu as ``ggml_swiglu_split``; tanh gelu written out in ggml's exact ops,
 since ``ggml_geglu`` reads an fp16 table on the CPU; GPT-OSS's clamped ``ggml_swiglu_oai``)
 instead of torch's. Every runner that must agree bit for bit runs this graph.
@@ -140,7 +140,7 @@ class MoeFfn:
             raise MoeswapError(f"expert activation '{glu.name}' has no fused graph; "
                                "known: silu, gelu, swiglu_oai")
         self.kernels, self.stacks, self.glu = kernels, stacks, glu
-        # Q8_0 products of several tokens through the faster custom op, same bits
+        # Q8_0 products through the faster custom op, same bits
         self.custom = custom_q8_0(kernels) if stacks.q8_0 else None
         self.width = stacks.out_features["down"]
         self.hidden_width = stacks.hidden_width

@@ -1,12 +1,13 @@
-"""Q8_0 expert products of several tokens at once: a ggml custom op that gives
-``ggml_mul_mat_id``'s bits faster (csrc/q8_0_experts.c says how).
+"""Q8_0 expert products: a ggml custom op that gives ``ggml_mul_mat_id``'s bits faster, for
+one token or several at once (csrc/q8_0_experts.c says how).
 
 ggml's ``mul_mat_id`` runs Q8_0 through ``vec_dot``: one weight row against one token on one
 accumulator chain, so two tokens on an expert cost twice one, and a batched step or a prompt
 piece runs at the speed of its products rather than of its reads (docs/KERNELS.md, "Q8_0
 experts for several tokens"). The custom op computes the same sums, block for block and lane
-for lane, one row against up to 4 of an expert's tokens at once. It is compiled here,
-for this CPU, on first use (``cc -O3 -march=native``, kept under ~/.cache/moeswap/kernels by the
+for lane, one row against up to 4 of an expert's tokens at once, a thread's reads one
+sequential stream (faster than ``vec_dot`` even for one token). It is compiled here, for this
+CPU, on first use (``cc -O3 -march=native``, kept under ~/.cache/moeswap/kernels by the
 source's, compiler's and CPU's hash), and used only once it matched ``mul_mat_id`` bit for bit
 on this machine (``_matches``); without a C compiler, on another architecture, with an
 unwritable cache, or on any mismatch the graphs keep ``mul_mat_id``.
