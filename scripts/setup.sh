@@ -9,7 +9,11 @@ python3 -m venv .venv
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
-    # llama-cpp-python compiles llama.cpp (30-40 min the first time); pip caches the wheel.
+    # llama-cpp-python compiles llama.cpp (4-40 min the first time); pip caches the wheel.
+    # Built for this CPU (GGML_NATIVE) without AMX: ggml's AMX products segfault on some
+    # Sapphire Rapids machines, ours among them (llama.cpp issue 20824; docs/KERNELS.md).
+    amx_off="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    export CMAKE_ARGS="${CMAKE_ARGS:-} '-DCMAKE_C_FLAGS=$amx_off' '-DCMAKE_CXX_FLAGS=$amx_off'"
     python -m pip install -q -e ".[test]"
 else
     python -m pip install -q -e .
