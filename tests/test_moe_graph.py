@@ -173,6 +173,50 @@ def test_q8_0_custom_op_gives_mul_mat_ids_bits(kernels, activation, fused):
     assert ffn.custom.takes(1, 8) and ffn.custom.takes(512, 8) and not ffn.custom.takes(513, 8)
 
 
+@pytest.mark.parametrize("shape", [(256, 96), (640, 4096)])
+def test_dense_q8_0_products_take_the_op_with_mul_mats_bits(kernels, monkeypatch, shape):
+    """``matrix_product`` (the head, attention and dense FFN matrices of a decode step): a plain
+    Q8_0 weight of up to DENSE_TOKENS tokens goes through the custom op, with ``mul_mat``'s
+    bits; more tokens, and a weight of another type, keep ``mul_mat``."""
+    from moeswap.quant.graph_arena import Arena, new_context
+    from moeswap.quant.q8_0_kernel import (DENSE_TOKENS, PRODUCT_NODES, custom_q8_0,
+                                           matrix_product)
+
+    ggml, (n_in, n_out) = kernels.ggml, shape
+    op = custom_q8_0(kernels)
+    assert op is not None  # a C compiler is there (CI's machines have gcc)
+    taken = []
+    monkeypatch.setattr(op, "product", lambda *args, product=op.product: (
+        taken.append(args[-2]), product(*args))[1])
+    rows = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(n_out))  # [O, I]
+    weights = {kind: kernels.bind(quantize_rows(rows.numpy(), int(kind)), int(kind), shape, "w")
+               for kind in (Q.Q8_0, Q.Q4_0)}
+
+    def product(weight, x: torch.Tensor, dense: bool) -> torch.Tensor:
+        context = new_context(ggml, 2 + PRODUCT_NODES)
+        try:
+            arena = Arena(kernels, context)
+            x_in = arena.new(int(Q.F32), n_in, x.shape[0])  # (I, T)
+            y = (matrix_product(kernels, context, arena, weight, x_in) if dense
+                 else arena.op(ggml.ggml_mul_mat(context, weight.tensor, x_in)))  # (O, T)
+            graph = ggml.ggml_new_graph_custom(context, 2 + PRODUCT_NODES, False)
+            ggml.ggml_build_forward_expand(graph, y)
+            out = torch.empty(x.shape[0], n_out)  # [T, O]
+            kernels.run(graph, [(arena.offsets[x_in], x.data_ptr(), x.nbytes)],
+                        (out.data_ptr(), out.nbytes), arena.offsets[y])
+            return out
+        finally:
+            ggml.ggml_free(context)
+
+    for n_tokens in (1, 2, 3, 4, 5, 8, DENSE_TOKENS + 1):
+        x = torch.randn(n_tokens, n_in, generator=torch.Generator().manual_seed(n_tokens))
+        for kind, weight in weights.items():
+            taken.clear()
+            fast = product(weight, x, dense=True)
+            assert taken == ([n_tokens] if kind == Q.Q8_0 and n_tokens <= DENSE_TOKENS else [])
+            assert torch.equal(fast, product(weight, x, dense=False))
+
+
 def test_without_a_compiler_q8_0_experts_keep_mul_mat_id(tmp_path, monkeypatch):
     from moeswap.quant import q8_0_kernel
 

@@ -31,6 +31,7 @@ from moeswap.models.quant_experts import QuantResidentExperts
 from moeswap.models.sequence_graph import SequenceGraph
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.graph_arena import Arena
+from moeswap.quant.q8_0_kernel import PRODUCT_NODES, matrix_product
 
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX (Gemma's layout)
 
@@ -57,7 +58,7 @@ class Gemma4AttentionGraph(SequenceGraph):
     output where ``whole``; each sequence against its own cache (the torch path's entries:
     keys and values [K, E])."""
 
-    n_tensors = 256
+    n_tensors = 256 + 8 * (PRODUCT_NODES - 1)  # 8 products
 
     def __init__(self, kernels: CpuKernels, layer: Gemma4Layer):
         a, s = layer.attention, layer.attention.spec
@@ -124,7 +125,7 @@ class Gemma4AttentionGraph(SequenceGraph):
             return op(ggml.ggml_mul(context, normed, vec[name])) if name else normed
 
         def product(name: str, y: int) -> int:
-            return op(ggml.ggml_mul_mat(context, m[name].tensor, y))
+            return matrix_product(self.kernels, context, arena, m[name], y)
 
         def rope(y: int) -> int:
             r = self.attention.rope

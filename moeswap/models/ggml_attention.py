@@ -43,10 +43,12 @@ from moeswap.models.sequence_graph import GRAPH_BYTES, MAX_PIECE_TOKENS
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.graph_arena import Arena, new_context
 from moeswap.quant.moe_graph import MoeFfn
+from moeswap.quant.q8_0_kernel import PRODUCT_NODES, matrix_product
 
 PIECE_TOKENS = 32  # a piece of a long input is a multiple of this; several sequences: at most
 _SLOT_GRAPHS = 8  # graphs kept per layer and sequence (piece length, attended slots)
 _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compositions)
+_PRODUCTS = 12  # dense products of a layer at most (MLA's projections, a dense FFN)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
 _PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
@@ -313,7 +315,8 @@ class LayerGraph:
         n_tokens tokens in all."""
         groups = 0 if not fused or self.experts is None else (
             1 if self.any_group else -(-n_tokens // MAX_TOKENS_PER_CALL))
-        return 160 + 8 * self.top_k + 48 * n_pieces + groups * (48 + 6 * self.top_k)
+        return (160 + _PRODUCTS * (PRODUCT_NODES - 1) + 8 * self.top_k + 48 * n_pieces
+                + groups * (48 + 6 * self.top_k))
 
     def nodes(self, context: int, arena: Arena, x: int, positions: int, shapes: list,
               fused: bool, inputs: list, layouts: dict) -> tuple[dict[str, int], list[int]]:
@@ -340,7 +343,7 @@ class LayerGraph:
         xn = norm(x, "input_norm", self.eps)  # (D, N)
 
         def project(name: str, bias: str) -> int:
-            y = arena.op(ggml.ggml_mul_mat(context, self.matrices[name].tensor, xn))  # (O, N)
+            y = matrix_product(self.kernels, context, arena, self.matrices[name], xn)  # (O, N)
             return arena.op(ggml.ggml_add(context, y, vec[bias])) if bias in vec else y
 
         def rope(y: int) -> int:
@@ -419,7 +422,7 @@ class LayerGraph:
                 writes.append(_into_columns(ggml, context, arena, all_heads, heads, e * h, start,
                                             t))
         heads, t = (heads if all_heads is None else all_heads), n
-        y = arena.op(ggml.ggml_mul_mat(context, self.matrices["wo"].tensor, heads))  # (D, T)
+        y = matrix_product(self.kernels, context, arena, self.matrices["wo"], heads)  # (D, T)
         if "bo" in vec:
             y = arena.op(ggml.ggml_add(context, y, vec["bo"]))
         if "post_norm" in vec:

@@ -26,6 +26,7 @@ from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.ggml_lib import InitParams
 from moeswap.quant.graph_arena import Arena, free_contexts
 from moeswap.quant.moe_graph import gelu_tanh
+from moeswap.quant.q8_0_kernel import PRODUCT_NODES, matrix_product
 
 _F32 = int(GGMLQuantizationType.F32)
 
@@ -88,22 +89,24 @@ class DenseFfnGraph:
     def nodes(self, context: int, arena: Arena, x: int) -> int:
         """The FFN's nodes on x (D, T) -> (D, T); a layer graph builds them into its own."""
         ggml = self.ggml
-        gate = arena.op(ggml.ggml_mul_mat(context, self.gate.tensor, x))  # (F, T)
-        up = arena.op(ggml.ggml_mul_mat(context, self.up.tensor, x))  # (F, T)
+        gate = matrix_product(self.kernels, context, arena, self.gate, x)  # (F, T)
+        up = matrix_product(self.kernels, context, arena, self.up, x)  # (F, T)
         if self.gelu:
             hidden = arena.op(ggml.ggml_mul(context, gelu_tanh(ggml, context, arena, gate), up))
         else:
             hidden = arena.op(ggml.ggml_swiglu_split(context, gate, up))
-        return arena.op(ggml.ggml_mul_mat(context, self.down.tensor, hidden))  # (D, T)
+        return matrix_product(self.kernels, context, arena, self.down, hidden)  # (D, T)
 
     def _build(self, n_tokens: int) -> tuple[int, int, int]:
         ggml = self.ggml
-        size = 32 * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(32, False)
+        n_nodes = 32 + 3 * PRODUCT_NODES
+        size = n_nodes * ggml.ggml_tensor_overhead() + ggml.ggml_graph_overhead_custom(n_nodes,
+                                                                                       False)
         context = ggml.ggml_init(InitParams(size, None, True))
         self._contexts.append(context)
         arena = Arena(self.kernels, context)
         x = arena.new(_F32, self.width, n_tokens)  # (D, T)
         y = self.nodes(context, arena, x)  # (D, T)
-        graph = ggml.ggml_new_graph_custom(context, 32, False)
+        graph = ggml.ggml_new_graph_custom(context, n_nodes, False)
         ggml.ggml_build_forward_expand(graph, y)
         return graph, arena.offsets[x], arena.offsets[y]

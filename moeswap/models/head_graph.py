@@ -20,9 +20,10 @@ from moeswap.models.ggml_ffn import bound_matrix
 from moeswap.models.linear import QuantLinear, TorchLinear
 from moeswap.quant import MAX_TOKENS_PER_CALL, CpuKernels
 from moeswap.quant.graph_arena import Arena, free_contexts, new_context
+from moeswap.quant.q8_0_kernel import PRODUCT_NODES, matrix_product
 
 _F32 = int(GGMLQuantizationType.F32)
-HEAD_NODES = 8  # tensors and nodes ``nodes`` makes, with room
+HEAD_NODES = 7 + PRODUCT_NODES  # tensors and nodes ``nodes`` makes, with room
 
 
 class HeadGraph:
@@ -45,7 +46,7 @@ class HeadGraph:
         ggml = self.ggml
         normed = arena.op(ggml.ggml_rms_norm(context, x, self.eps))
         normed = arena.op(ggml.ggml_mul(context, normed, self._norm.tensor))  # (D, T)
-        return arena.op(ggml.ggml_mul_mat(context, self._head.tensor, normed))  # (V, T)
+        return matrix_product(self.kernels, context, arena, self._head, normed)  # (V, T)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> logits [N, V]."""

@@ -30,6 +30,7 @@ from moeswap.models.mla import MLAttention
 from moeswap.models.sequence_graph import F32, SequenceGraph
 from moeswap.quant import CpuKernels
 from moeswap.quant.graph_arena import Arena
+from moeswap.quant.q8_0_kernel import matrix_product
 
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout (DeepSeek's)
 
@@ -147,7 +148,7 @@ class MlaLayerGraph(SequenceGraph):
             return op(ggml.ggml_mul(context, normed, vec[name].tensor))
 
         def product(name: str, y: int) -> int:
-            return op(ggml.ggml_mul_mat(context, m[name].tensor, y))
+            return matrix_product(self.kernels, context, arena, m[name], y)
 
         def rope(y: int) -> int:
             a = self.attention.rope

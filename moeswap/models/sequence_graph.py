@@ -19,6 +19,7 @@ from moeswap.models.blocks import SLOT_SPAN, Batch
 from moeswap.models.kv_graph_inputs import piece_inputs
 from moeswap.quant import CpuKernels
 from moeswap.quant.graph_arena import Arena, free_contexts, new_context
+from moeswap.quant.q8_0_kernel import PRODUCT_NODES
 
 MAX_PIECE_TOKENS = 512  # the most tokens one graph takes (llama.cpp's default ubatch)
 GRAPH_BYTES = 160 << 20  # the most a piece's tensors may take of the scratch's 256 MiB
@@ -31,7 +32,7 @@ class SequenceGraph:
     [N, D]; each sequence's tokens in pieces of at most MAX_PIECE_TOKENS."""
 
     dense = experts = None  # the FFN stays the layer's (no token graph chains these)
-    n_tensors = 128  # of one graph (nodes and views)
+    n_tensors = 128 + 8 * (PRODUCT_NODES - 1)  # of one graph (nodes and views; 8 products)
     max_piece = MAX_PIECE_TOKENS  # tokens of one graph, at most
 
     def __init__(self, kernels: CpuKernels, layer: int, width: int, n_outputs: int,

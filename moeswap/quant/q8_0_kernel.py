@@ -1,5 +1,6 @@
 """Q8_0 expert products: a ggml custom op that gives ``ggml_mul_mat_id``'s bits faster, for
-one token or several at once (csrc/q8_0_experts.c says how).
+one token or several at once (csrc/q8_0_experts.c says how); and dense Q8_0 products of a few
+tokens (``matrix_product``), as one expert every token picks.
 
 ggml's ``mul_mat_id`` runs Q8_0 through ``vec_dot``: one weight row against one token on one
 accumulator chain, so two tokens on an expert cost twice one, and a batched step or a prompt
@@ -38,6 +39,10 @@ from gguf.quants import quantize
 
 SOURCE = Path(__file__).with_name("csrc") / "q8_0_experts.c"
 MAX_PICKS = 4096  # tokens x picks of one node (the C side's sort buffers)
+# Tokens up to which a dense Q8_0 product takes the op; ggml's mul_mat (llamafile's tiles)
+# wins beyond. Measured on a 640 x 262,144 head: 1.6-2.0x at 1-4 tokens, 1.1x at 8, 0.9x at 16.
+DENSE_TOKENS = 8
+PRODUCT_NODES = 4  # tensors ``matrix_product`` makes at most (mul_mat: 1)
 _Q8_0, _F32, _I32 = (int(GGMLQuantizationType[n]) for n in ("Q8_0", "F32", "I32"))
 _BLOCK, _BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]  # 32 numbers, 34 bytes
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -89,24 +94,45 @@ class CustomQ8_0:
     def takes(n_tokens: int, n_picked: int) -> bool:
         return n_tokens * n_picked <= MAX_PICKS
 
-    def product(self, context: int, arena, stack: Q8_0Stack, b: int, ids: int,
+    def product(self, context: int, arena, stack: Q8_0Stack, b: int, ids: int | None,
                 n_tokens: int, n_picked: int) -> int:
         """The node computing ``ggml_mul_mat_id(stack, b, ids)``: b (in, ne11, T) F32
-        contiguous, ids (K, T) I32 contiguous -> (out, K, T) F32, placed in ``arena``."""
+        contiguous, ids (K, T) I32 contiguous -> (out, K, T) F32, placed in ``arena``; ids None:
+        every pick is expert 0 (a dense matrix, K = 1)."""
         ggml, t, k = self.ggml, n_tokens, n_picked
         ne11 = ggml.ggml_nelements(b) // (stack.in_features * t)
         quantized = arena.new(_Q8_0, stack.in_features, ne11, t)  # (in, ne11, T)
         quantized = arena.view(ggml.ggml_cpy(context, b, quantized))  # ggml's quantization
-        key = (stack, ggml.ggml_get_data(quantized), ggml.ggml_get_data(ids), ne11, t, k)
+        key = (stack, ggml.ggml_get_data(quantized), ids and ggml.ggml_get_data(ids), ne11, t, k)
         args = self._args.get(key)
         if args is None:
             row = row_bytes(stack.in_features)  # of the quantized activations
             args = self._args[key] = _Args(
                 stack.address, stack.expert_stride, stack.row_stride, stack.out_features,
                 stack.in_features // _BLOCK, key[1], row, row * ne11, ne11, key[2], k, t)
-        sources = (_P * 3)(stack.tensor, quantized, ids)
-        return arena.op(ggml.ggml_custom_4d(context, _F32, stack.out_features, k, t, 1, sources,
-                                            3, self.function, -1, ctypes.addressof(args)))
+        sources = [stack.tensor, quantized] + ([] if ids is None else [ids])
+        return arena.op(ggml.ggml_custom_4d(context, _F32, stack.out_features, k, t, 1,
+                                            (_P * len(sources))(*sources), len(sources),
+                                            self.function, -1, ctypes.addressof(args)))
+
+
+def matrix_product(kernels, context: int, arena, weight, x: int) -> int:
+    """``ggml_mul_mat(weight.tensor, x)`` for a bound weight (moeswap.quant.kernels, ne (in,
+    out), or (in, out, H) heads) and x (in, T) F32 -> (out, T), placed in ``arena``. A plain-layout Q8_0 weight's
+    product of at most DENSE_TOKENS tokens takes the op, as one expert every token picks: the
+    same bits (mul_mat's vec_dot sums), read as one sequential stream a thread."""
+    ggml = kernels.ggml
+    n_in, n_out = weight.ne[:2]
+    t = ggml.ggml_nelements(x) // n_in
+    op = (custom_q8_0(kernels) if weight.ggml_type == _Q8_0 and len(weight.ne) == 2
+          and weight.keep_alive is not None and t <= DENSE_TOKENS else None)
+    if op is None:  # a stack of heads (MLA's) takes ggml's batched mul_mat
+        return arena.op(ggml.ggml_mul_mat(context, weight.tensor, x))
+    stack = Q8_0Stack.plain(weight.tensor, weight.keep_alive.ctypes.data, weight.ne)
+    y = op.product(context, arena, stack, x, None, t, 1)  # (out, 1, T)
+    out = arena.view(ggml.ggml_reshape_2d(context, y, n_out, t))
+    arena.offsets[out] = arena.offsets[y]  # the same bytes: a graph may read it out
+    return out
 
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # kernels -> op or None

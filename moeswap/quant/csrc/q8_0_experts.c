@@ -24,7 +24,7 @@ typedef struct {
     int64_t w_expert_stride, w_row_stride, n_rows, n_blocks;
     const char *x;             /* Q8_0 activations: row (t, j) at t * x_token_stride + j * x_pick_stride */
     int64_t x_pick_stride, x_token_stride, x_ne11;
-    const int32_t *ids;        /* [T][K] expert of each pick */
+    const int32_t *ids;        /* [T][K] expert of each pick; NULL: expert 0 (one dense matrix) */
     int64_t n_picked, n_tokens;
 } q8_0_args;
 
@@ -86,7 +86,7 @@ void moeswap_q8_0_experts(struct ggml_tensor *dst, int ith, int nth, void *userd
     const int64_t n = a->n_picked * a->n_tokens;
     int32_t expert[MAX_PICKS], pick[MAX_PICKS];
     for (int64_t i = 0; i < n; i++) { /* picks sorted by expert (insertion: n is small) */
-        const int32_t e = a->ids[i];
+        const int32_t e = a->ids ? a->ids[i] : 0;
         int64_t j = i;
         for (; j > 0 && expert[j - 1] > e; j--) { expert[j] = expert[j - 1]; pick[j] = pick[j - 1]; }
         expert[j] = e;
