@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -182,6 +183,7 @@ class _LayerSlots:
             self.keys = torch.zeros((capacity, *key_shape), dtype=dtype)  # [C, K, E]
             self.values = torch.zeros((*value_shape, capacity), dtype=dtype)  # [K, V, C]
         self.positions = torch.zeros(capacity, dtype=torch.long)
+        self._positions = self.positions.numpy()  # the same memory: numpy's writes cost less
         if old is not None and length > first_kept:
             at, n = old.slots(first_kept, length), length - first_kept  # oldest first
             self.keys[:n] = old.keys[at]  # [n, K, E]
@@ -204,7 +206,8 @@ class _LayerSlots:
         """Mark positions first..first+n_new-1 as written -> their slots; the caller writes
         their keys and values there."""
         at = self.slots(first, first + n_new)
-        self.positions[at] = first if n_new == 1 else torch.arange(first, first + n_new)
+        where = at if isinstance(at, slice) else at.numpy()
+        self._positions[where] = first if n_new == 1 else np.arange(first, first + n_new)
         self.end = first + n_new
         self.frontier = max(self.frontier, self.end)
         return at
@@ -407,7 +410,8 @@ def attend(s: AttentionSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
                  chunked: bool) -> torch.Tensor:
     """Queries at q_pos [T] against keys at k_pos [S] -> [T, S] bool, ``attend``'s rule: a key
-    at k <= p, within the sliding window (p - k < window) or the query's chunk."""
+    at k <= p, within the sliding window (p - k < window) or the query's chunk (torch tensors
+    or numpy arrays)."""
     q_pos, k_pos = q_pos[:, None], k_pos[None, :]  # [T, 1], [1, S]
     visible = k_pos <= q_pos
     if window and chunked:

@@ -91,11 +91,13 @@ class CausalLM:
             raise ValueError("last_only needs at least one new token in every sequence")
         ends = list(accumulate(lengths))
         spans = [(end - n, end) for end, n in zip(ends, lengths)]
-        ids = torch.cat([t.reshape(-1) for t in tokens])  # [N]
+        ids = (tokens[0].reshape(-1) if len(tokens) == 1
+               else torch.cat([t.reshape(-1) for t in tokens]))  # [N]
         if self.recorder is not None:
             self.recorder.begin_forward(spans, [cache.length for cache in caches], caches)
-        if self.token_graph is not None and self.token_graph.takes(lengths, caches):
-            logits = self.token_graph(ids, caches, spans, {}, last_only)  # [N or B, V]
+        rooms = self.token_graph.rooms(lengths, caches) if self.token_graph is not None else None
+        if rooms is not None:
+            logits = self.token_graph(ids, caches, spans, rooms, last_only)  # [N or B, V]
         else:
             positions = torch.cat([torch.arange(cache.length, cache.length + n)
                                    for cache, n in zip(caches, lengths)])  # [N]

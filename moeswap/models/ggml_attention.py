@@ -28,6 +28,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -129,6 +130,7 @@ class LayerGraph:
         self.top_k = around.router.top_k if around.router is not None else 0
         w, s = attention.w, attention.spec
         self.kv_width = s.n_head_kv * s.head_dim  # K*E
+        self._entry_shape = (s.n_head_kv, s.head_dim)  # of a slot's keys and of its values
         self.vectors: dict[str, int] = {}  # biases, norm weights, rope factors as F32 tensors
         self._keep: list = []  # the bound vectors' memory
         self.matrices = {name: bound_matrix(kernels, linear, f"attention {name}")
@@ -191,9 +193,7 @@ class LayerGraph:
 
     def room(self, cache, n_new: int):
         """The layer's slots in ``cache`` with room for n_new more positions."""
-        s = self.attention.spec
-        return cache.room(self.attention.layer, n_new, (s.n_head_kv, s.head_dim),
-                          (s.n_head_kv, s.head_dim))
+        return cache.room(self.attention.layer, n_new, self._entry_shape, self._entry_shape)
 
     def token_bytes(self, slots, attended: int = 0) -> int:
         """An upper bound on the scratch bytes one new token of a graph takes: scores and
@@ -473,8 +473,8 @@ def shared_positions(shared: dict, spans: tuple) -> torch.Tensor:
     """The positions [T] of pieces (first position, length), made once per forward (every
     layer feeds the same)."""
     if spans not in shared:
-        shared[spans] = torch.cat([torch.arange(first, first + n, dtype=torch.int32)
-                                   for first, n in spans])  # [T]
+        shared[spans] = torch.from_numpy(np.concatenate([
+            np.arange(first, first + n, dtype=np.int32) for first, n in spans]))  # [T]
     return shared[spans]
 
 

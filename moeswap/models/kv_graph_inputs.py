@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
@@ -51,14 +52,16 @@ def piece_inputs(slots, at, first: int, n_new: int, n_slots: int, window: int,
     """Key slots [T] and value slots [T*K*E] int64, mask [T, S] float32 (0 where query t sees
     slot j, -inf elsewhere) of a piece; of a Q8_0 cache, value slots [T] (values as rows) and
     an f16 mask (flash attention's)."""
-    key_slots = (torch.arange(at.start, at.stop) if isinstance(at, slice) else at).long()  # [T]
+    # numpy: a decode step makes these for every slot layout, and torch's calls cost more
+    key_slots = (np.arange(at.start, at.stop) if isinstance(at, slice)
+                 else at.numpy().astype(np.int64))  # [T]
     # value (e, slot) sits at e * C + slot of the transposed buffer; rows in (T, K*E) order
-    value_slots = key_slots if slots.rows else (torch.arange(kv_width)[None, :] * slots.capacity
+    value_slots = key_slots if slots.rows else (np.arange(kv_width)[None, :] * slots.capacity
                                                 + key_slots[:, None]).reshape(-1)  # [T*K*E]
-    visible = visible_keys(torch.arange(first, first + n_new), slots.positions[:n_slots],
+    visible = visible_keys(np.arange(first, first + n_new), slots.positions[:n_slots].numpy(),
                            window, chunked)  # [T, S]
-    visible &= (torch.arange(n_slots) < slots.filled)[None, :]  # unwritten slots: none
-    mask = torch.zeros(n_new, n_slots).masked_fill_(~visible, float("-inf"))  # [T, S]
+    visible &= (np.arange(n_slots) < slots.filled)[None, :]  # unwritten slots: none
+    mask = np.where(visible, np.float32(0), np.float32(-np.inf))  # [T, S]
     if slots.rows:
-        mask = mask.half()
-    return key_slots, value_slots, mask
+        mask = mask.astype(np.float16)
+    return tuple(torch.from_numpy(part) for part in (key_slots, value_slots, mask))

@@ -51,32 +51,37 @@ class TokenGraph:
         self._kept: dict = {}
         weakref.finalize(self, _free_kept, self.ggml, self._kept)
 
-    def takes(self, lengths: list[int], caches: list[KVCache]) -> bool:
-        """Whether a step of these sequences' new tokens runs as one graph: at most
-        PIECE_TOKENS each, every layer's tensors together within the scratch's GRAPH_BYTES."""
+    def rooms(self, lengths: list[int], caches: list[KVCache]) -> list | None:
+        """Every layer's slots in every cache with room for these sequences' new tokens
+        (layer by layer, each layer's sequences in order), where the step runs as one graph: at
+        most PIECE_TOKENS each, every layer's tensors together within the scratch's
+        GRAPH_BYTES; else None."""
         if max(lengths) > PIECE_TOKENS:
-            return False
+            return None
         n = sum(lengths)
         needed = n * (4 * self.head.vocabulary + 8 * self.head.width)  # the head's
+        rooms = []
         for graph in self.graphs:
             for t, cache in zip(lengths, caches):
                 slots = graph.room(cache, t)  # scores over the span attended, not the capacity
                 attended = -(-(slots.filled + t) // SLOT_SPAN) * SLOT_SPAN
                 needed += t * graph.token_bytes(slots, min(slots.capacity, attended))
-        return needed <= GRAPH_BYTES
+                rooms.append(slots)
+        return rooms if needed <= GRAPH_BYTES else None
 
     def __call__(self, ids: torch.Tensor, caches: list[KVCache], spans: list[tuple[int, int]],
-                 shared: dict, last_only: bool) -> torch.Tensor:
+                 rooms: list, last_only: bool) -> torch.Tensor:
         """Token ids [N], each sequence's rows ``spans`` [start, end) -> logits [N, V], or
-        each sequence's last row's [B, V] with ``last_only``; ``shared`` is the forward's
-        ``Batch.shared``. Reports each MoE layer's routing to its recorder."""
+        each sequence's last row's [B, V] with ``last_only``; ``rooms`` as ``rooms`` gave them.
+        Reports each MoE layer's routing to its recorder."""
         n = ids.numel()
         pieces = tuple((cache.length, end - start) for cache, (start, end) in zip(caches, spans))
+        shared: dict = {}  # each slot layout's inputs, made by its first layer
         inputs = [self.embedding.checked(ids), shared_positions(shared, pieces)]
-        shapes, groups = [], {}
+        shapes, groups, room = [], {}, iter(rooms)
         for graph in self.graphs:
             for cache, (start, end), (first, t) in zip(caches, spans, pieces):
-                slots = graph.room(cache, t)
+                slots = next(room)
                 layout, n_slots = graph.claim(cache, slots, first, t, shared)
                 if layout not in groups:
                     groups[layout] = len(groups)
