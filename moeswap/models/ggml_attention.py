@@ -11,11 +11,12 @@ The graph mirrors llama.cpp's attention without flash attention (llama-cpp-pytho
 ``rope_ext``; ``set_rows`` into the cache (values transposed, llama.cpp's v_trans); scores
 ``mul_mat(k, q)`` over whole spans of ``SLOT_SPAN`` slots with a -inf mask for slots
 not visible from a query (unwritten, later, outside the window); ``soft_max_ext``;
-``mul_mat(v, probs)``. With an f16 cache ggml rounds q and the probabilities to f16 before each
-product, as llama.cpp does, where the torch reference emulates that rounding. A Q8_0 cache
-(``--kv-type q8_0``) keeps values as rows, not transposed (a Q8_0 block is 32 numbers of a
-row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash attention,
-the only way llama.cpp takes a quantized V.
+``mul_mat(v, probs)`` (moeswap.models.slot_attention; one token reads each cached row once for
+the query heads that share it). With an f16 cache ggml rounds q and the probabilities to f16
+before each product, as llama.cpp does, where the torch reference emulates that rounding. A
+Q8_0 cache (``--kv-type q8_0``) keeps values as rows, not transposed (a Q8_0 block is 32
+numbers of a row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash
+attention, the only way llama.cpp takes a quantized V.
 
 What ggml is not asked to do keeps the torch path (moeswap.models.graph_support says which).
 
@@ -37,6 +38,7 @@ from moeswap.models.ggml_ffn import DenseFfnGraph, bound_matrix
 from moeswap.models.graph_routing import GraphRouter
 from moeswap.models.graph_support import graph_routes, supports
 from moeswap.models.kv_graph_inputs import bind_cache, piece_inputs
+from moeswap.models.slot_attention import attend
 from moeswap.models import gemma4_graph, mla_graph
 from moeswap.models.moe import MoEBlock, Router
 from moeswap.models.quant_experts import QuantResidentExperts
@@ -51,7 +53,6 @@ _SLOT_GRAPHS = 8  # graphs kept per layer and sequence (piece length, attended s
 _BATCH_GRAPHS = 4  # graphs of several sequences kept per layer (the last compositions)
 _PRODUCTS = 12  # dense products of a layer at most (MLA's projections, a dense FFN)
 _F32, _F16, _I32, _I64 = (int(GGMLQuantizationType[name]) for name in ("F32", "F16", "I32", "I64"))
-_PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp sets it)
 _ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX; 0 is llama.cpp's NORM layout
 # Expert types ggml's CPU mul_mat_id computes by vec_dot alone, a token's bits its own
 _VEC_DOT_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0"))
@@ -391,32 +392,8 @@ class LayerGraph:
             for write in (ggml.ggml_set_rows(context, cache_keys, k_rows, key_slots),
                           ggml.ggml_set_rows(context, cache_values, v_rows, value_slots)):
                 writes.append(arena.view(write))  # its data is the cache itself
-            # Attention over the first S slots, a kv head per H / K query heads.
-            row = slots.keys[0].nbytes  # of a slot's K*E keys
-            keys = arena.view(ggml.ggml_view_3d(context, cache_keys, e, n_slots, kv, row,
-                                                row // kv, 0))
-            q_rows = arena.view(ggml.ggml_permute(context, q, 0, 2, 1, 3))  # (E, T, H)
-            scale = 1.0 if s.scale_q else s.scale
-            if slots.rows:  # llama.cpp's flash branch; it caps as scale, then cap*tanh(s/cap)
-                values = arena.view(ggml.ggml_view_3d(context, cache_values, e, n_slots, kv, row,
-                                                      row // kv, 0))  # (E, S, K)
-                heads = arena.op(ggml.ggml_flash_attn_ext(context, q_rows, keys, values, mask,
-                                                          scale, 0.0, s.softcap))  # (E, H, T)
-                ggml.ggml_prec_set_acc(heads, _PREC_F32)
-            else:  # scores (S, T, H)
-                scores = arena.op(ggml.ggml_mul_mat(context, keys, q_rows))
-                if s.softcap:  # llama.cpp's order: cap, then the softmax's scale
-                    scores = arena.op(ggml.ggml_scale(context, scores, 1.0 / s.softcap))
-                    scores = arena.op(ggml.ggml_tanh(context, scores))
-                    scores = arena.op(ggml.ggml_scale(context, scores, s.softcap))
-                probs = arena.op(ggml.ggml_soft_max_ext(context, scores, mask, scale, 0.0))
-                size_of, capacity = slots.keys.element_size(), slots.capacity
-                values = arena.view(ggml.ggml_view_3d(
-                    context, cache_values, n_slots, e, kv, capacity * size_of,
-                    e * capacity * size_of, 0))
-                heads = arena.op(ggml.ggml_mul_mat(context, values, probs))  # (E, T, H)
-                heads = arena.op(ggml.ggml_cont(context, arena.view(
-                    ggml.ggml_permute(context, heads, 0, 2, 1, 3))))  # (E, H, T)
+            heads = attend(ggml, context, arena, q, t, (cache_keys, cache_values), slots, mask,
+                           n_slots, s)  # (E, H, T) or, one token, (E, H / K, K)
             heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))  # (E*H, T)
             if all_heads is not None:
                 writes.append(_into_columns(ggml, context, arena, all_heads, heads, e * h, start,

@@ -74,6 +74,7 @@ _SIGNATURES = {
     "ggml_reshape_2d": (_VOID_P, [_VOID_P, _VOID_P, _I64, _I64]),
     "ggml_permute": (_VOID_P, [_VOID_P, _VOID_P, _INT, _INT, _INT, _INT]),
     "ggml_cont": (_VOID_P, [_VOID_P, _VOID_P]),
+    "ggml_repeat": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P]),
     "ggml_rms_norm": (_VOID_P, [_VOID_P, _VOID_P, ctypes.c_float]),
     "ggml_rope_ext": (_VOID_P, [_VOID_P, _VOID_P, _VOID_P, _VOID_P, _INT, _INT, _INT,
                                 ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_float,
