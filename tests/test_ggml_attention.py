@@ -34,11 +34,14 @@ def logits(model, ids: torch.Tensor, cache=None) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", GRAPH_FAMILIES)
 @pytest.mark.parametrize("kv_type", ["f16", "f32"])
-def test_every_layer_gets_a_graph_and_steps_equal_the_whole_forward(q8_files, family, kv_type):
-    """Decode steps (one token: the query heads that share a kv head are its columns,
-    moeswap.models.slot_attention; the tiny models have 4 heads, 2 kv heads) give the whole
-    forward's bits."""
-    model = load_model(q8_files(family), kv_type=kv_type)
+@pytest.mark.parametrize("repack", [False, True])
+def test_every_layer_gets_a_graph_and_steps_equal_the_whole_forward(q8_files, family, kv_type,
+                                                                    repack):
+    """Decode steps give the whole forward's bits: as llama.cpp's graph, and with ``repack``
+    with a kv head's query heads as one product's columns (moeswap.models.slot_attention; the
+    tiny models have 4 heads, 2 kv heads; Q8_0 has no repacked layout on x86, so only the
+    attention's layout differs)."""
+    model = load_model(q8_files(family), kv_type=kv_type, repack=repack)
     assert all(graphs(model))
     whole = logits(model, PROMPT)
     cache = model.new_cache()

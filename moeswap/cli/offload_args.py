@@ -93,7 +93,8 @@ def add_exact_tiers_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-tiers", action="store_true",
                    help="keep every weight in its stored layout: no ggml repacked layouts for "
                         "the shared matrices and a resident model's expert stacks (Q4_0, Q4_K, "
-                        "IQ4_NL, MXFP4 on x86), so logits are bit for bit those of the plain "
+                        "IQ4_NL, MXFP4 on x86), and decode attention in llama.cpp's layout (one "
+                        "product per query head), so logits are bit for bit those of the plain "
                         "kernels at any budget")
 
 

@@ -11,8 +11,8 @@ The graph mirrors llama.cpp's attention without flash attention (llama-cpp-pytho
 ``rope_ext``; ``set_rows`` into the cache (values transposed, llama.cpp's v_trans); scores
 ``mul_mat(k, q)`` over whole spans of ``SLOT_SPAN`` slots with a -inf mask for slots
 not visible from a query (unwritten, later, outside the window); ``soft_max_ext``;
-``mul_mat(v, probs)`` (moeswap.models.slot_attention; one token reads each cached row once for
-the query heads that share it). With an f16 cache ggml rounds q and the probabilities to f16
+``mul_mat(v, probs)`` (moeswap.models.slot_attention; with repacked layouts one token reads
+each cached row once for the query heads that share it). With an f16 cache ggml rounds q and the probabilities to f16
 before each product, as llama.cpp does, where the torch reference emulates that rounding. A
 Q8_0 cache (``--kv-type q8_0``) keeps values as rows, not transposed (a Q8_0 block is 32
 numbers of a row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash
@@ -393,7 +393,7 @@ class LayerGraph:
                           ggml.ggml_set_rows(context, cache_values, v_rows, value_slots)):
                 writes.append(arena.view(write))  # its data is the cache itself
             heads = attend(ggml, context, arena, q, t, (cache_keys, cache_values), slots, mask,
-                           n_slots, s)  # (E, H, T) or, one token, (E, H / K, K)
+                           n_slots, s, self.kernels.repack)  # (E, H, T) or (E, H / K, K)
             heads = arena.view(ggml.ggml_reshape_2d(context, heads, e * h, t))  # (E*H, T)
             if all_heads is not None:
                 writes.append(_into_columns(ggml, context, arena, all_heads, heads, e * h, start,

@@ -4,10 +4,13 @@ query may not see), the optional soft-cap, the masked and scaled softmax, then
 ``mul_mat(v, probs)`` over the transposed values; a Q8_0 cache (values as rows) through
 ``flash_attn_ext``, llama.cpp's flash branch.
 
-One token with grouped kv heads (H > K) takes a kv head's G = H / K query heads as its columns:
-each key and value row is then read once for the G heads (llama.cpp's graph reads it once a
-query head). The sums are the same, so are the bits; a decode step at 8,192 positions of the
-built-in model (8 heads, 4 kv heads) took 6.7 -> 2.8 ms (docs/KERNELS.md).
+With ``grouped`` (the fast mode: repacked layouts, not ``--exact-tiers``), one token with
+grouped kv heads (H > K) takes a kv head's G = H / K query heads as its columns: each key and
+value row is then read once for the G heads (llama.cpp's graph reads it once a query head), and
+ggml's tiled kernel takes the products where a single column goes through ``vec_dot``. Each sum
+is then a prompt piece's (a whole forward's bits), not llama.cpp's decode step's: the last bits
+differ, as repacked products do. A decode step at 8,192 positions of the built-in model (8
+heads, 4 kv heads, head size 32) took 6.7 -> 2.8 ms (docs/KERNELS.md).
 
 Legend (ggml order, ne0 first): E head size, H query heads, K kv heads, G = H / K, T tokens of
 the piece, S attended slots, C the slots' capacity.
@@ -24,11 +27,11 @@ _PREC_F32 = 10  # GGML_PREC_F32: flash attention accumulates in f32 (llama.cpp s
 
 
 def attend(ggml, context: int, arena: Arena, q: int, t: int, cache: tuple[int, int], slots,
-           mask: int, n_slots: int, spec) -> int:
+           mask: int, n_slots: int, spec, grouped: bool) -> int:
     """q (E, H, T) against the first ``n_slots`` slots of ``cache`` (the keys' and values' ggml
     tensors over ``slots``), ``mask`` (S, T); ``spec`` the layer's AttentionSpec -> heads
-    (E, H, T), or (E, G, K) for one token with grouped kv heads (the same numbers in the same
-    order: (E, H) of the token)."""
+    (E, H, T), or, ``grouped`` and one token with grouped kv heads, (E, G, K) (the same
+    numbers in the same order: (E, H) of the token)."""
     cache_keys, cache_values = cache
     e, h, kv = spec.head_dim, spec.n_head, spec.n_head_kv
     row = slots.keys[0].nbytes  # of a slot's K*E keys
@@ -42,7 +45,7 @@ def attend(ggml, context: int, arena: Arena, q: int, t: int, cache: tuple[int, i
                                                   0.0, spec.softcap))  # (E, H, T)
         ggml.ggml_prec_set_acc(heads, _PREC_F32)
         return heads
-    grouped = t == 1 and h > kv
+    grouped = grouped and t == 1 and h > kv
     if grouped:  # (E, G, K), its mask (S, G)
         q_rows = arena.view(ggml.ggml_reshape_3d(context, q, e, h // kv, kv))
         shape = ggml.ggml_new_tensor_2d(context, _F32, n_slots, h // kv)  # repeat's target only
