@@ -12,11 +12,11 @@ The graph mirrors llama.cpp's attention without flash attention (llama-cpp-pytho
 ``mul_mat(k, q)`` over whole spans of ``SLOT_SPAN`` slots with a -inf mask for slots
 not visible from a query (unwritten, later, outside the window); ``soft_max_ext``;
 ``mul_mat(v, probs)`` (moeswap.models.slot_attention; with repacked layouts one token reads
-each cached row once for the query heads that share it). With an f16 cache ggml rounds q and the probabilities to f16
-before each product, as llama.cpp does, where the torch reference emulates that rounding. A
-Q8_0 cache (``--kv-type q8_0``) keeps values as rows, not transposed (a Q8_0 block is 32
-numbers of a row), and attends with ``flash_attn_ext`` and an f16 mask, as llama.cpp's flash
-attention, the only way llama.cpp takes a quantized V.
+each cached row once for the query heads that share it). With an f16 cache ggml rounds q and
+the probabilities to f16 before each product, as llama.cpp does, where the torch reference
+emulates that rounding. A Q8_0 cache (``--kv-type q8_0``) keeps values as rows, not
+transposed (a Q8_0 block is 32 numbers of a row), and attends with ``flash_attn_ext`` and an
+f16 mask, as llama.cpp's flash attention, the only way llama.cpp takes a quantized V.
 
 What ggml is not asked to do keeps the torch path (moeswap.models.graph_support says which).
 

@@ -118,15 +118,16 @@ class CustomQ8_0:
 
 def matrix_product(kernels, context: int, arena, weight, x: int) -> int:
     """``ggml_mul_mat(weight.tensor, x)`` for a bound weight (moeswap.quant.kernels, ne (in,
-    out), or (in, out, H) heads) and x (in, T) F32 -> (out, T), placed in ``arena``. A plain-layout Q8_0 weight's
-    product of at most DENSE_TOKENS tokens takes the op, as one expert every token picks: the
-    same bits (mul_mat's vec_dot sums), read as one sequential stream a thread."""
+    out), or (in, out, H) heads) and x (in, T) F32 -> (out, T), placed in ``arena``. A
+    plain-layout Q8_0 matrix's product of at most DENSE_TOKENS tokens takes the op, as one
+    expert every token picks: the same bits (mul_mat's vec_dot sums), read as one sequential
+    stream a thread."""
     ggml = kernels.ggml
     n_in, n_out = weight.ne[:2]
     t = ggml.ggml_nelements(x) // n_in
     op = (custom_q8_0(kernels) if weight.ggml_type == _Q8_0 and len(weight.ne) == 2
           and weight.keep_alive is not None and t <= DENSE_TOKENS else None)
-    if op is None:  # a stack of heads (MLA's) takes ggml's batched mul_mat
+    if op is None:  # another type, a repacked copy, more tokens, MLA's stack of heads
         return arena.op(ggml.ggml_mul_mat(context, weight.tensor, x))
     stack = Q8_0Stack.plain(weight.tensor, weight.keep_alive.ctypes.data, weight.ne)
     y = op.product(context, arena, stack, x, None, t, 1)  # (out, 1, T)
