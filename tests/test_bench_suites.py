@@ -312,3 +312,31 @@ def test_a_failed_round_is_the_engines_result():
     failed = {"status": "timeout", "failure": "timeout", "error": "ran past 10 s"}
     assert over_rounds([ok, failed, ok]) == failed
     assert over_rounds([ok, dict(ok, prompt_tok_s=30.0)])["prompt_tok_s"] == 20.0
+
+
+def test_time_to_first_token_leaves_out_a_prompts_extra_repeats(monkeypatch):
+    """A prompt fed 3 times (its time the median) stands for one feeding: its time to first
+    token and the wall time count the last repeat only. A fake clock: a prompt piece takes 1 s,
+    a decode step 0.25 s."""
+    from moeswap.bench import timing
+    from moeswap.bench.memory import MemoryTrace
+    from moeswap.bench.scenarios import RunSpec
+
+    now = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    class Session:
+        def reset(self) -> None:
+            pass
+
+        def feed(self, ids: list[int]) -> int:
+            now[0] += 1.0 if len(ids) > 1 else 0.25
+            return 7
+
+    spec = RunSpec("decode", "test", "fake", "none", 1, [[1, 2, 3], [4, 5, 6]], 3, n_ctx=16,
+                   prompt_repeats=3)
+    result = timing.run_sequential(Session(), spec, MemoryTrace())
+    # each prompt: 1 s of prefill (the last of 3 repeats), then 2 decode steps of 0.25 s
+    assert result["prompt_s"] == 2.0 and result["decode_s"] == 1.0
+    assert result["ttft_s"] == (1.0 + 2.5) / 2 and result["ttft_max_s"] == 2.5
+    assert result["wall_s"] == 3.0
