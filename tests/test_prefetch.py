@@ -103,10 +103,11 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
     kernels = CpuKernels(1)
     store = reading_every_guess(ExpertStore(gguf, kernels, layers, "silu", options,
                                             routers=routers_of(deep_mixtral, layers)))
-    # without prefetch, with the host policy's capacity: the slots reserved for guesses less
+    # without prefetch, with the host policy's capacity: the host slots (at most every expert)
+    # less the slots reserved for guesses
+    policy_slots = store.residency.pools["host"].n_slots - store.residency.guess_slots
     without = ExpertStore(gguf, kernels, layers, "silu",
-                          replace(options, prefetch="off",
-                                  host_bytes=host_budget - store.residency.guess_slots * slot))
+                          replace(options, prefetch="off", host_bytes=fixed + policy_slots * slot))
     resident = QuantResidentExperts(gguf, kernels, layers, "silu")
     file_bytes = np.memmap(deep_mixtral, dtype=np.uint8, mode="r")
     ahead, r = store.lookahead.ahead, store.residency
