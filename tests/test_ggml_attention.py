@@ -68,7 +68,7 @@ def test_q8_0_logits_equal_llama_cpps_bit_for_bit(q8_files, family, kv_type):
     path = q8_files(family)
     reference = tiny_models.llama_cpp_scores(path, PROMPT, {"f32": 0, "f16": 1}[kv_type])
     tiny_models.assert_same_bits(logits(load_model(path, kv_type=kv_type), PROMPT).numpy(),
-                                       reference, (family, kv_type))
+                                 reference, (family, kv_type))
 
 
 @pytest.mark.llama_cpp
