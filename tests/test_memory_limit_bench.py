@@ -75,13 +75,21 @@ def test_the_disk_busy_share_is_the_readers_busy_time_over_decode_time():
 def test_runs_in_each_limit_and_skips_where_no_cgroup_can_be_made(tmp_path):
     root, own = fake_tree(tmp_path, "v1")
     model = str(moeswap.DEFAULT_MODEL)
+    rates = iter([1e9, 3e9])  # cold reads measured before and after the run
     body, text = run_limits(model, [900 * MiB], 1, [5, 6, 7, 8], 2, False, None, "off",
                             tmp_path / "out", 300, say=lambda _: None, cgroup_root=root,
-                            self_cgroup=own)
+                            self_cgroup=own, disk_rate=lambda: next(rates))
     [row] = body["rows"]
     assert row["status"] == "ok", row
     assert row["engine"] == "moeswap" and row["decode_tokens"] == 2
-    assert row["floor_tok_s"] > 0 and "| 900 | moeswap |" in text
+    assert row["disk_read_beside"] == [1e9, 3e9]
+    read, computed = row["read_bytes_per_token"], body["computed_bytes_per_token"]
+    cached = body["rates"]["disk_read"], body["rates"]["host_compute"]
+    # the faster of the two rates beside the run: the stricter floor
+    assert row["floor_tok_s"] == pytest.approx(1 / max(read / 3e9, computed / cached[1]))
+    assert row["of_floor_cached_probe"] == pytest.approx(
+        max(read / cached[0], computed / cached[1]) * row["decode_tok_s"])
+    assert "| 900 | moeswap |" in text and "| 3.00 |" in text
     assert list((root / "memory" / "box").iterdir()) == []  # its cgroup removed
     json.dumps(body)
     none, text = run_limits(model, [900 * MiB], 1, [5, 6], 1, True, None, "off",

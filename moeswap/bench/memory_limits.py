@@ -8,22 +8,27 @@ sees the cgroup) and reads cold; llama.cpp maps the file, and also runs with ``-
 the file fits in the limit. A limit no cgroup can be made for is said so and its rows skipped.
 
 The floor of a decode token, with reads overlapped with compute: max(bytes read from storage /
-the cold-read rate, bytes computed / the rate CPU products stream stored weights), the rates
-`moeswap probe`'s (else the planner's conservative defaults, named in the report). Bytes read
+the cold-read rate, bytes computed / the rate CPU products stream stored weights). Bytes read
 are the run's own (``/proc/self/io``); bytes computed are what one token's products read:
 every shared weight but a token-embedding table that is not also the output head, and top-k
 routed experts per MoE layer (the KV cache, small at these contexts, is left out).
 
-The probe's cold-read rate is measured on a scratch file it has just written, and the rate a
-virtual disk gives a file moves between runs minutes apart (docs/BENCHMARKS.md), so moeswap's
-rows also carry the run's own measure of overlap, which needs no rate: the share of decode time
-during which any expert read ran ("disk busy", from the store's reader), and the rate it read
-at meanwhile.
+The cold-read rate is `moeswap probe`'s measurement (a scratch file written, dropped from the
+page cache, read), taken beside each run: before it and after it, in the model's folder, and
+the faster of the two is that row's rate (the stricter floor). A virtual disk's rate moves by
+a quarter within minutes (docs/BENCHMARKS.md), so a rate cached hours earlier says little of
+the disk a run had; the row against the cached probe's rate is reported too. The product rate
+is the cached probe's (else the planner's conservative defaults, named in the report).
+moeswap's rows also carry the run's own measure of overlap, which needs no rate: the share of
+decode time during which any expert read ran ("disk busy", from the store's reader), and the
+rate it read at meanwhile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from moeswap.bench.cgroup import MemoryCgroup, NoCgroup
@@ -87,15 +92,20 @@ def floor_row(result: dict, computed: int, rates) -> dict:
 def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], gen_tokens: int,
                compare: bool, replay: str | None, prefetch: str, out: Path,
                timeout_s: float, say=print, cgroup_root: Path = CGROUP_ROOT,
-               self_cgroup: Path = SELF_CGROUP, kv_type: str = "f16") -> tuple[dict, str]:
+               self_cgroup: Path = SELF_CGROUP, kv_type: str = "f16",
+               disk_rate: Callable[[], float] | None = None) -> tuple[dict, str]:
     """Every engine at every limit, both with a ``kv_type`` cache -> (the report's body, its
-    markdown table); the cgroup filesystem's paths are parameters for tests."""
+    markdown table); the cgroup filesystem's paths and ``disk_rate`` (bytes per second of cold
+    reads now; default: the probe's measurement in the model's folder) are parameters for
+    tests."""
     from moeswap.planner.rates import plan_rates
 
     planned = plan_rates({})
     facts, rates = ModelFacts.of(model), planned.rates
     computed = computed_bytes_per_token(model)
+    disk_rate = disk_rate or (lambda: _cold_read_rate(model))
     rows, notes = [], []
+    rate_before = None
     for limit in limits:
         for label, function, extra in engines(facts, limit, compare, replay, prefetch):
             name = f"{label} at {limit >> 20} MiB"
@@ -107,6 +117,8 @@ def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], g
                              "its rows are skipped")
                 break
             say(f"{name} ...")
+            if rate_before is None:
+                rate_before = disk_rate()
             drop_from_page_cache(model)
             try:
                 kwargs = {"model": model, "threads": threads, "prompt": prompt,
@@ -116,9 +128,15 @@ def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], g
                 result.update(cgroup.figures())
             finally:
                 cgroup.remove()
-            row = {"limit_bytes": limit, "engine": label, **result}
+            rate_after = disk_rate()
+            beside = max(rate_before, rate_after)
+            row = {"limit_bytes": limit, "engine": label, **result,
+                   "disk_read_beside": [rate_before, rate_after]}
+            rate_before = rate_after
             if result["status"] == "ok":
-                row.update(floor_row(result, computed, rates))
+                row.update(floor_row(result, computed,
+                                     dataclasses.replace(rates, disk_read=beside)))
+                row["of_floor_cached_probe"] = floor_row(result, computed, rates)["of_floor"]
             rows.append(row)
     body = {"model": model, "model_bytes": facts.file_bytes, "computed_bytes_per_token": computed,
             "rates": {"disk_read": rates.disk_read, "host_compute": rates.host_compute,
@@ -126,20 +144,33 @@ def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], g
     return body, table(body)
 
 
+def _cold_read_rate(model: str) -> float:
+    """The probe's cold reads on the model's filesystem (the temp folder where its folder is
+    read-only)."""
+    from moeswap.planner.probe import measure_disk_read
+
+    try:
+        return measure_disk_read(Path(model).resolve().parent)
+    except OSError:
+        return measure_disk_read()
+
+
 def table(body: dict) -> str:
     r = body["rates"]
     lines = [(f"Model {body['model']} ({body['model_bytes'] / 2**20:.0f} MiB); floor from cold "
-              f"reads {r['disk_read'] / 1e9:.2f} GB/s and products over stored weights "
-              f"{r['host_compute'] / 1e9:.1f} GB/s ({r['source']}); computed per token "
+              "reads measured beside each run (the faster of before and after, column 'cold "
+              f"reads') and products over stored weights {r['host_compute'] / 1e9:.1f} GB/s "
+              f"({r['source']}); 'of cached floor': against that probe's cold reads, "
+              f"{r['disk_read'] / 1e9:.2f} GB/s; computed per token "
               f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
              ("| limit MiB | engine | decode tok/s | prompt tok/s | hit rate | misses/token | "
-              "MiB read/token | cgroup peak MiB | failcnt | floor tok/s | of floor | "
-              "disk busy | GB/s while busy |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "MiB read/token | cgroup peak MiB | failcnt | cold reads GB/s | floor tok/s | "
+              "of floor | of cached floor | disk busy | GB/s while busy |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in body["rows"]:
         head = f"| {row['limit_bytes'] >> 20} | {row['engine']} |"
         if row["status"] != "ok":
-            lines.append(f"{head} {row['failure']}: {row['error']} |||||||||||")
+            lines.append(f"{head} {row['failure']}: {row['error']} |||||||||||||")
             continue
         counts = row.get("counts") or {}
         requests = counts.get("requests")
@@ -152,7 +183,9 @@ def table(body: dict) -> str:
                else "- | - | ")
             + ("- | " if read is None else f"{read / 2**20:.0f} | ")
             + f"{_mib(row.get('cgroup_peak_bytes'))} | {row.get('cgroup_failcnt', '-')} | "
+            f"{max(row['disk_read_beside']) / 1e9:.2f} | "
             f"{row['floor_tok_s']:.2f} | {row['of_floor']:.0%} | "
+            f"{row['of_floor_cached_probe']:.0%} | "
             + (f"{row['disk_busy']:.0%} | {row['busy_read_rate'] / 1e9:.2f} |"
                if "disk_busy" in row else "- | - |"))
     return "\n".join(lines + [""] + [f"Note: {n}" for n in body["notes"]])
