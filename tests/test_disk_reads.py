@@ -172,11 +172,11 @@ def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, ho
     seen, twice, steps, reads = set(), [], [], []
     read_piece, start = r.disk.read_piece, r.step.start
 
-    def counted(part, expert, target):
+    def counted(part, expert, target, within=0):
         reads.append(part.expert_bytes)
         twice.extend([(part.name, expert)] if (part.name, expert) in seen else [])
         seen.add((part.name, expert))
-        read_piece(part, expert, target)
+        read_piece(part, expert, target, within)
 
     def new_step(layer, experts):
         seen.clear()

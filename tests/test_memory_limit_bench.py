@@ -66,10 +66,17 @@ def test_the_floor_is_the_slower_of_reading_and_computing():
 def test_the_disk_busy_share_is_the_readers_busy_time_over_decode_time():
     rates = Rates(disk_read=2e9, link=1e10, host_compute=40e9, device_compute=1e11)
     run = {"read_bytes_per_token": 245e6, "decode_tok_s": 4.0, "decode_tokens": 32,
-           "counts": {"disk_busy_seconds": 6.0, "disk_bytes": 9e9}}
+           "counts": {"disk_busy_seconds": 6.0, "disk_read_bytes": 9e9}}
     row = floor_row(run, 670e6, rates)
     assert row["disk_busy"] == pytest.approx(6.0 / 8.0)  # 32 tokens at 4/s: 8 s of decode
     assert row["busy_read_rate"] == pytest.approx(1.5e9)
+
+
+def test_guesses_read_in_vain_are_not_part_of_the_floor():
+    rates = Rates(disk_read=2e9, link=1e10, host_compute=40e9, device_compute=1e11)
+    run = {"read_bytes_per_token": 245e6, "decode_tok_s": 4.0, "decode_tokens": 32,
+           "counts": {"guess_wasted_bytes": 32 * 45e6}}
+    assert floor_row(run, 670e6, rates)["floor_tok_s"] == pytest.approx(2e9 / 200e6)
 
 
 def test_runs_in_each_limit_and_skips_where_no_cgroup_can_be_made(tmp_path):

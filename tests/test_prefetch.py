@@ -151,9 +151,9 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
 
 
 def _gated_store(path, prefetch: str, depth: int):
-    """A store with room for every expert whose reader thread holds its reads at a gate (the
-    first read waits, everything after it queues up) until the store itself waits on one
-    -> (store, gate, resident experts, MoE layers, experts per layer)."""
+    """A store with room for every expert whose guesses' reads are held at a gate (the first
+    chunk waits, every later guess queues up) until the store itself needs one, or stops one
+    that has started -> (store, gate, resident experts, MoE layers, experts per layer)."""
     gguf = GGUFFile.open(path)
     fixed, slot, layers, n_experts = plan(path)
     kernels = CpuKernels(1)
@@ -161,39 +161,64 @@ def _gated_store(path, prefetch: str, depth: int):
                         OffloadSettings(host_bytes=fixed + len(layers) * n_experts * slot,
                                      prefetch=prefetch, prefetch_depth=depth),
                         routers=routers_of(path, layers))
-    gate, read = threading.Event(), store.lookahead.worker.disk.read_expert
-    store.lookahead.worker.disk.read_expert = lambda *args: (gate.wait(), read(*args))
-    wait = store.lookahead.worker.wait  # were the store to need the held read, it gets it
-    store.lookahead.worker.wait = lambda job: (gate.set(), wait(job))[1]
+    reads, gate = store.residency.reads, threading.Event()
+    read = reads._read_chunk
+    reads._read_chunk = lambda *args: (gate.wait(), read(*args))[1]
+    promote, wait = reads.promote, reads.wait  # were the store to need a held read, it gets it
+    reads.promote = lambda job, landed: (gate.set(), promote(job, landed))[1]
+    reads.wait = lambda job: (gate.set(), wait(job))[1]
+    stop = reads.stop
+
+    def stop_through_the_gate(job):  # a stopped guess's chunk in flight ends; none after it
+        running = job.state == "running"
+        if running:
+            gate.set()
+        stopped = stop(job)
+        if running:
+            gate.clear()
+        return stopped
+
+    reads.stop = stop_through_the_gate
     return store, gate, QuantResidentExperts(gguf, kernels, layers, "silu"), layers, n_experts
 
 
-def test_stale_guesses_are_cancelled_before_they_are_read(deep_mixtral):
+def test_stale_guesses_are_stopped_before_they_are_read(deep_mixtral):
     store, gate, resident, layers, n_experts = _gated_store(deep_mixtral, "gate", 2)
     reading_every_guess(store)  # every guess is wrong here: read all the same
     x, weights = torch.randn(1, 64), torch.rand(1, 2)
-    cancelled, cancel = [], store.lookahead.worker.cancel
-    store.lookahead.worker.cancel = lambda job: (cancel(job) and not cancelled.append(job)
-                                                 or job in cancelled)
+    reads = store.residency.reads
+    stopped, stop = [], reads.stop
+
+    def stop_and_note(job):
+        started = job.state == "running"
+        cancelled = stop(job)
+        stopped.extend([(job, started)] if cancelled else [])
+        return cancelled
+
+    reads.stop = stop_and_note
     for layer in layers:  # every layer asks for experts nobody guessed: every guess goes stale
         unguessed = [e for e in range(n_experts) if (layer, e) not in store.residency.guesses]
         ids = torch.tensor([unguessed[:2]])
         assert torch.equal(store.run(layer, x, ids, weights), resident.run(layer, x, ids, weights))
-    assert not gate.is_set()
-    assert store.lookahead.prefetch.counts.cancelled == len(cancelled) > 0
-    # the last layer has run: at most the read held at the gate is left (if the worker started
-    # it in time), every queued one was cancelled and its slot freed: no slot waits without bytes
-    assert [job.state for job in store.residency.guesses.reads.values()] in ([], ["running"])
+    assert store.lookahead.prefetch.counts.cancelled == len(stopped) > 0
+    # a stale guess is never read in full: one that had started stops after its chunk in
+    # flight (one at a time: the others queue), the others read nothing
+    assert all(job.read_bytes < job.n_bytes if started else job.read_bytes == 0
+               for job, started in stopped)
+    assert any(not started for _, started in stopped)
+    # the last layer has run: every guess was stale, stopped and its slot freed
+    assert not store.residency.guesses.reads
     guessed = set(store.residency.guesses.slots)
     assert guessed == set(store.residency.guesses.reads) | store.residency.guesses.filled
-    assert not {(job.layout.layer, job.expert) for job in cancelled} & guessed
+    assert not {(job.layout.layer, job.expert) for job, _ in stopped} & guessed
     gate.set()
-    job = cancelled[0]  # asked for later, it is read then, bit for bit
+    job = stopped[0][0]  # asked for later, it is read then, bit for bit
     ids = torch.tensor([[job.expert, (job.expert + 1) % n_experts]])
     out = store.run(job.layout.layer, x, ids, weights)
     assert torch.equal(out, resident.run(job.layout.layer, x, ids, weights))
+    threads = list(reads._threads)
     store.close()
-    assert not store.lookahead.worker._thread.is_alive()
+    assert threads and not any(thread.is_alive() for thread in threads)
 
 
 def _eye_router(n: int, top_k: int) -> Router:
@@ -290,11 +315,9 @@ def test_long_run_keeps_one_worker_and_exact_output(deep_mixtral):
             assert torch.equal(store.run(layer, x, ids, weights),
                                resident.run(layer, x, ids, weights))
         threads.append(frozenset(set(threading.enumerate()) - before))
-    # one prefetch worker, the same one, beside at most --read-depth reader threads of misses
-    workers = [{t for t in ts if t.name == "moeswap-prefetch"} for ts in threads]
-    readers = {t for ts in threads for t in ts if t.name.startswith("moeswap-read")}
-    assert len({frozenset(w) for w in workers[1:]}) == 1 and len(workers[-1]) == 1
-    assert len(readers) <= store.settings.read_depth
+    # guesses and misses share the same --read-depth reader threads, started once
+    assert all(t.name.startswith("moeswap-read") for ts in threads for t in ts)
+    assert len({ts for ts in threads}) == 1 and len(threads[0]) == store.settings.read_depth
     assert store.lookahead.prefetch.counts.reads > 0
     assert len(store.residency.guesses.reads) <= store.lookahead.prefetch.queue_bound
     store.close()
@@ -317,9 +340,9 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
             assert torch.equal(store.run(layer, x, ids, weights),
                                resident.run(layer, x, ids, weights))
         if forward == 0:
-            assert calls == layers[:2] and store.lookahead.worker.waiting > 0
+            assert calls == layers[:2] and store.residency.reads.waiting > 0
     assert calls == layers[:2]  # off: no prediction at all
-    assert store.lookahead.worker.waiting == 0 and store.lookahead.prefetch._pending == {}
+    assert store.residency.reads.waiting == 0 and store.lookahead.prefetch._pending == {}
     # at most the read held at the gate is left, running (settled when its slot is next used)
     assert [job.state for job in store.residency.guesses.reads.values()] in ([], ["running"])
     gate.set()

@@ -43,20 +43,20 @@ def _fixed_guess_store(path, guesses_at: dict, host_slots: int = 4):
                                prefetch_depth=2)
     store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu", settings,
                                 routers=routers_of(path, layers)))
-    asked, submit = [], store.residency.guesses.submit
+    asked, ahead = [], store.lookahead.ahead
     store.lookahead.prefetch.guesses = lambda layer, x, ids: (asked.append(layer)
                                                               or guesses_at.get(layer, []))
+    store.residency.reads.hold = lambda: None  # guesses may read before the step's own reads
 
-    def submit_and_land():  # each batch of reads lands before the step goes on: deterministic
-        jobs = list(store.residency.guesses.reads.values())
-        submit()
-        for job in jobs:
+    def ahead_and_land(layer, x, ids):  # each step's guesses land before it goes on
+        ahead(layer, x, ids)
+        for job in list(store.residency.guesses.reads.values()):
             deadline = time.monotonic() + 60  # a lost read fails here, not at the run's ceiling
             while job.state != "done":
                 assert time.monotonic() < deadline, f"a guessed read never landed ({job.state})"
                 time.sleep(0.001)
 
-    store.residency.guesses.submit = submit_and_land
+    store.lookahead.ahead = ahead_and_land
     return store, QuantResidentExperts(gguf, store.kernels, layers, "silu"), asked
 
 

@@ -57,9 +57,9 @@ def test_a_prefill_reads_each_needed_expert_once(model_file, host_slots, device_
                 picked.setdefault((layer, expert), set()).add(token // MAX_TOKENS_PER_CALL)
         return run(layer, x, ids, weights)
 
-    def counted_read(part, expert, target):
+    def counted_read(part, expert, target, within=0):
         reads[part.name, expert] += 1
-        read_piece(part, expert, target)
+        read_piece(part, expert, target, within)
 
     store.run, store.residency.disk.read_piece = spied_run, counted_read
     assert torch.equal(prefill(model), expected)

@@ -71,9 +71,11 @@ def moeswap_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
 
     def counters() -> dict:
         now = stats()
-        disk = now.get("disk", {})
-        return {**now.get("total", {}), **({"disk_busy_seconds": disk["busy_seconds"]}
-                                           if disk else {})}
+        disk, prefetch = now.get("disk", {}), now.get("prefetch", {})
+        return {**now.get("total", {}),
+                **({"disk_busy_seconds": disk["busy_seconds"], "disk_read_bytes": disk["bytes"]}
+                   if disk else {}),
+                **({"guess_wasted_bytes": prefetch["bytes_wasted"]} if prefetch else {})}
 
     run = _timed(MoeswapSession(runtime.model, len(prompt)), prompt, gen_tokens, counters)
     return {**run, "host_bytes": auto.host_bytes, "plan": auto.describe()}

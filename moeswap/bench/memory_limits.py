@@ -7,9 +7,11 @@ read, the cgroup removed. moeswap plans its budgets from the limit (`--plan auto
 sees the cgroup) and reads cold; llama.cpp maps the file, and also runs with ``--mlock`` where
 the file fits in the limit. A limit no cgroup can be made for is said so and its rows skipped.
 
-The floor of a decode token, with reads overlapped with compute: max(bytes read from storage /
-the cold-read rate, bytes computed / the rate CPU products stream stored weights). Bytes read
-are the run's own (``/proc/self/io``); bytes computed are what one token's products read:
+The floor of a decode token, with reads overlapped with compute: max(bytes the token needed
+from storage / the cold-read rate, bytes computed / the rate CPU products stream stored
+weights). Bytes needed are the run's own reads (``/proc/self/io``) less what prefetch read for
+guesses nobody used (a wrong guess is time lost, not part of the floor); bytes computed are
+what one token's products read:
 every shared weight but a token-embedding table that is not also the output head, and top-k
 routed experts per MoE layer (the KV cache, small at these contexts, is left out).
 
@@ -77,15 +79,16 @@ def floor_row(result: dict, computed: int, rates) -> dict:
     """Per decode token: seconds of the floor, the run's seconds, and their ratio; where the
     store reports its reads, the share of decode time the disk was busy and the rate it read
     at meanwhile (the run's own measure of overlap, free of the probe's rate)."""
-    read = result.get("read_bytes_per_token") or 0
+    counts = result.get("counts") or {}
+    wasted = counts.get("guess_wasted_bytes", 0) / result.get("decode_tokens", 1)
+    read = max(0.0, (result.get("read_bytes_per_token") or 0) - wasted)  # needed
     floor_s = max(read / rates.disk_read, computed / rates.host_compute)
     measured_s = 1 / result["decode_tok_s"]
     row = {"floor_tok_s": 1 / floor_s, "of_floor": floor_s / measured_s}
-    counts = result.get("counts") or {}
     busy = counts.get("disk_busy_seconds")
     if busy:
         row["disk_busy"] = busy / (result["decode_tokens"] * measured_s)
-        row["busy_read_rate"] = counts["disk_bytes"] / busy
+        row["busy_read_rate"] = counts["disk_read_bytes"] / busy  # guesses' reads too
     return row
 
 
@@ -164,7 +167,7 @@ def table(body: dict) -> str:
               f"{r['disk_read'] / 1e9:.2f} GB/s; computed per token "
               f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
              ("| limit MiB | engine | decode tok/s | prompt tok/s | hit rate | misses/token | "
-              "MiB read/token | cgroup peak MiB | failcnt | cold reads GB/s | floor tok/s | "
+              "MiB read/token (guessed in vain) | cgroup peak MiB | failcnt | cold reads GB/s | floor tok/s | "
               "of floor | of cached floor | disk busy | GB/s while busy |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in body["rows"]:
@@ -177,11 +180,13 @@ def table(body: dict) -> str:
         hits = (counts.get("host_hits", 0) + counts.get("device_hits", 0)) if requests else None
         misses = counts.get("disk_misses")
         read = row.get("read_bytes_per_token")
+        wasted = counts.get("guess_wasted_bytes", 0) / row["decode_tokens"]
         lines.append(
             f"{head} {row['decode_tok_s']:.2f} | {row['prompt_tok_s']:.2f} | "
             + (f"{hits / requests:.1%} | {misses / row['decode_tokens']:.1f} | " if requests
                else "- | - | ")
-            + ("- | " if read is None else f"{read / 2**20:.0f} | ")
+            + ("- | " if read is None else f"{read / 2**20:.0f}"
+               + (f" ({wasted / 2**20:.0f})" if wasted else "") + " | ")
             + f"{_mib(row.get('cgroup_peak_bytes'))} | {row.get('cgroup_failcnt', '-')} | "
             f"{max(row['disk_read_beside']) / 1e9:.2f} | "
             f"{row['floor_tok_s']:.2f} | {row['of_floor']:.0%} | "

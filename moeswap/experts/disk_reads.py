@@ -1,10 +1,20 @@
-"""Expert reads kept in flight together: the disk's queue depth, not one read at a time.
+"""Expert reads kept in flight together: the step's own reads first, guesses in the idle time.
 
-``ParallelReads`` hands each piece of an expert (gate, up or gate_up, down, biases) to a small
-pool of reader threads (``preadv`` releases the GIL, so the store's thread computes meanwhile);
-``depth`` pieces are read at once (``OffloadSettings.read_depth``, ``--read-depth``). An ``ExpertRead`` is one
-expert's pieces; when the last lands it reports itself to the callback given at submit, so
-the store computes each miss as soon as its bytes are in, in the order they land.
+``ParallelReads`` runs ``depth`` reader threads (``OffloadSettings.read_depth``,
+``--read-depth``; ``preadv`` releases the GIL, so the store's thread computes meanwhile). Two
+kinds of work share them:
+
+- **the step's reads** (``submit``): an expert's pieces (gate, up or gate_up, down, biases), one
+  task each, first come first served, ``depth`` at once. An ``ExpertRead`` is one expert's pieces;
+  when the last lands it reports itself to the callback given at submit, so the store computes
+  each miss as soon as its bytes are in, in the order they land.
+- **guesses** (``guess``): experts the prefetcher (moeswap.experts.prefetch) expects a later
+  layer to ask for, read in ``CHUNK_BYTES`` chunks, one chunk at a time, and only while no step
+  read waits or runs and no step is issuing its reads (``hold``): they fill the disk's idle time
+  between a layer's last read and the next layer's routing, when nothing else could be read.
+  A step read that arrives meanwhile waits at most for the one chunk in flight. A guess the
+  store asks for (``GuessRead.promote``) is read on at the step's priority, every reader at
+  once; a stale one is stopped at its next chunk (``stop``).
 
 ``DiskReader.stats.seconds`` gets the wall time during which any of these reads ran (the link
 busy), so bytes over seconds stays the read rate with several reads at once.
@@ -14,13 +24,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
 from moeswap.experts.tiers import DiskReader, slot_pieces
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
+
+# A guess's read unit: what a step read may have to wait for. 1 MiB reads keep a virtual disk
+# near its full rate at one in flight (docs/BENCHMARKS.md, issue 19, session 11).
+CHUNK_BYTES = 1 << 20
+
+PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
 
 
 class ExpertRead:
@@ -30,15 +46,16 @@ class ExpertRead:
         self.n_bytes = n_bytes
         self._left, self._lock = n_pieces, threading.Lock()
         self._landed = threading.Event()
-        self._futures: list[Future] = []
+        self._error: BaseException | None = None
         self._on_landed = on_landed
         if not n_pieces:
             self._land()
 
-    def _piece_done(self, _: Future) -> None:
+    def piece_done(self, error: BaseException | None) -> None:
         with self._lock:
             self._left -= 1
             last = self._left == 0
+            self._error = self._error or error
         if last:
             self._land()
 
@@ -46,27 +63,69 @@ class ExpertRead:
         self._landed.set()
         self._on_landed(self)
 
-    def add(self, future: Future) -> None:
-        self._futures.append(future)
-        future.add_done_callback(self._piece_done)
-
     def wait(self) -> None:
         self._landed.wait()
 
     def result(self) -> None:
         self.wait()
-        for future in self._futures:
-            future.result()
+        if self._error is not None:
+            raise self._error
+
+
+class GuessRead:
+    """A guessed expert read chunk by chunk into its slot. ``state`` is pending (no chunk
+    started), running, done or cancelled; ``seconds``: the wall time it was read in."""
+
+    def __init__(self, layout: ExpertLayout, expert: int, target: np.ndarray):
+        self.layout, self.expert, self.target = layout, expert, target
+        self.n_bytes = layout.expert_bytes
+        self.chunks: deque[tuple[ExpertPart, np.ndarray, int]] = deque(
+            (part, piece[at:at + CHUNK_BYTES], at)
+            for _, part, piece in slot_pieces(layout, target)
+            for at in range(0, part.expert_bytes, CHUNK_BYTES))
+        self.state, self.in_flight = PENDING, 0
+        self.urgent = False  # asked for: read at the step's priority
+        self.stopping = False  # stopped: the chunks in flight end it, cancelled
+        self.error: BaseException | None = None
+        self.read_bytes = 0  # chunks read so far (a stopped guess's wasted bytes)
+        self.seconds, self._began = 0.0, 0.0
+        self._on_landed: Callable[[GuessRead], None] | None = None
+        self._pool: ParallelReads | None = None
+
+    def seconds_so_far(self) -> float:
+        """How long it has been read for (0 before its first chunk)."""
+        return time.perf_counter() - self._began if self.state == RUNNING else self.seconds
+
+    def promote(self, on_landed: Callable[[GuessRead], None]) -> GuessRead:
+        """The store needs it: the rest is read at the step's priority; ``on_landed(self)`` once
+        it is in (at once if it is)."""
+        self._pool.promote(self, on_landed)
+        return self
+
+    def wait(self) -> None:
+        self._pool.wait(self)
+
+    def result(self) -> None:
+        self.wait()
+        if self.error is not None:
+            raise self.error
 
 
 class ParallelReads:
-    """Up to ``depth`` piece reads at once, on threads started at the first read."""
+    """``depth`` reader threads, started at the first read: the step's reads, then guesses."""
 
     def __init__(self, disk: DiskReader, depth: int):
         self.disk, self.depth = disk, max(1, depth)
-        self._pool: ThreadPoolExecutor | None = None
-        self._running, self._since = 0, 0.0
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._steps: deque[tuple[ExpertPart, int, np.ndarray, ExpertRead]] = deque()
+        self._guesses: deque[GuessRead] = deque()  # not finished, in submission order
+        self._threads: list[threading.Thread] = []
+        self._step_running = 0  # step pieces being read
+        self._running, self._since = 0, 0.0  # any read; since when the link is busy
+        self._held = False
+        self._stopping = False
+
+    # the step's reads
 
     def submit(self, layout: ExpertLayout, expert: int, slot: np.ndarray,
                parts: list[ExpertPart] | None,
@@ -75,29 +134,212 @@ class ParallelReads:
         pieces = [(part, target) for _, part, target in slot_pieces(layout, slot)
                   if parts is None or part in parts]
         read = ExpertRead(sum(part.expert_bytes for part, _ in pieces), len(pieces), on_landed)
-        if self._pool is None and pieces:
-            self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="moeswap-read")
-        for part, target in pieces:
-            future = self._pool.submit(self._read_piece, part, expert, target)
-            read.add(future)
+        with self._cv:
+            self._start_threads()
+            self._steps.extend((part, expert, target, 0, read) for part, target in pieces)
+            self._cv.notify_all()
         return read
 
-    def _read_piece(self, part: ExpertPart, expert: int, target: np.ndarray) -> None:
-        with self._lock:
-            if not self._running:
-                self._since = time.perf_counter()
-            self._running += 1
+    def hold(self) -> None:
+        """A step is issuing its reads: no guess chunk starts until ``release``."""
+        with self._cv:
+            self._held = True
+
+    def release(self) -> None:
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
+    # guesses
+
+    def guess(self, layout: ExpertLayout, expert: int, slot: np.ndarray) -> GuessRead:
+        """Read a guessed expert into ``slot`` in the disk's idle time."""
+        job = GuessRead(layout, expert, slot)
+        job._pool = self
+        with self._cv:
+            self._start_threads()
+            self._guesses.append(job)
+            self._cv.notify_all()
+        return job
+
+    @property
+    def waiting(self) -> int:
+        """Guesses no chunk of which has started."""
+        with self._cv:
+            return sum(job.state == PENDING for job in self._guesses)
+
+    def cancel(self, job: GuessRead) -> bool:
+        """Drop a guess no chunk of which has started -> True; False once one has."""
+        with self._cv:
+            if job.state != PENDING:
+                return False
+            self._finish(job, CANCELLED)
+            return True
+
+    def cancel_waiting(self) -> list[GuessRead]:
+        """Drop every guess no chunk of which has started -> those guesses."""
+        with self._cv:
+            dropped = [job for job in self._guesses if job.state == PENDING]
+            for job in dropped:
+                self._finish(job, CANCELLED)
+            return dropped
+
+    def stop(self, job: GuessRead) -> bool:
+        """A guess nobody will ask for: its chunks not started are dropped and those in flight
+        waited for, so nothing writes into its slot after -> True; False if it was done."""
+        with self._cv:
+            if job.state in (DONE, CANCELLED):
+                return job.state == CANCELLED
+            job.chunks.clear()
+            job.stopping = True
+            if not job.in_flight:
+                self._finish(job, CANCELLED)
+            while job.state == RUNNING:  # its last chunk in flight ends it
+                self._cv.wait()
+            return job.state == CANCELLED
+
+    def promote(self, job: GuessRead, on_landed: Callable[[GuessRead], None]) -> None:
+        with self._cv:
+            if job.state == CANCELLED:
+                raise ValueError("a cancelled guess cannot be promoted")
+            job.urgent = True
+            if job.state != DONE:
+                job._on_landed = on_landed
+                self._cv.notify_all()
+                return
+        on_landed(job)
+
+    def wait(self, job: GuessRead) -> float:
+        """Block until a guess is done (read at the step's priority meanwhile) -> seconds
+        waited."""
+        started = time.perf_counter()
+        with self._cv:
+            if job.state not in (DONE, CANCELLED):
+                job.urgent = True
+                self._cv.notify_all()
+            while job.state not in (DONE, CANCELLED):
+                self._cv.wait()
+        return time.perf_counter() - started
+
+    # the readers
+
+    def _start_threads(self) -> None:
+        if not self._threads:
+            for i in range(self.depth):
+                thread = threading.Thread(target=self._loop, name=f"moeswap-read-{i}",
+                                          daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def _next(self):
+        """Under the lock: the next task, by priority -> ("step", piece) or ("guess", job,
+        chunk); None when closing."""
+        while True:
+            if self._steps:  # read even while closing: the store waits for them
+                return "step", self._steps.popleft()
+            urgent = next((j for j in self._guesses if j.urgent and j.chunks), None)
+            if urgent is not None:
+                return "guess", urgent, urgent.chunks.popleft()
+            if self._stopping:
+                return None
+            idle = not (self._held or self._step_running
+                        or any(j.in_flight for j in self._guesses))
+            job = next((j for j in self._guesses if j.chunks), None) if idle else None
+            if job is not None:
+                return "guess", job, job.chunks.popleft()
+            self._cv.wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                task = self._next()
+                if task is None:
+                    return
+                self._began_read()
+                if task[0] == "step":
+                    self._step_running += 1
+                else:
+                    job = task[1]
+                    job.in_flight += 1
+                    if job.state == PENDING:
+                        job.state, job._began = RUNNING, time.perf_counter()
+            if task[0] == "step":
+                part, expert, target, at, read = task[1]
+                error = self._read(part, expert, target, at)
+                with self._cv:
+                    self._step_running -= 1
+                    self._ended_read()
+                read.piece_done(error)
+            else:
+                _, job, (part, target, at) = task
+                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at))
+
+    def _read_chunk(self, job: GuessRead, part: ExpertPart, target: np.ndarray,
+                    within: int) -> BaseException | None:
+        return self._read(part, job.expert, target, within)
+
+    def _read(self, part: ExpertPart, expert: int, target: np.ndarray,
+              within: int) -> BaseException | None:
         try:
-            self.disk.read_piece(part, expert, target)
-        finally:
-            with self._lock:
-                self._running -= 1
-                if not self._running:
-                    busy = time.perf_counter() - self._since
-                    with self.disk.lock:
-                        self.disk.stats.seconds += busy
+            self.disk.read_piece(part, expert, target, within)
+        except Exception as e:  # raised in the store's thread, where the read is used
+            return e
+        return None
+
+    def _guess_chunk_done(self, job: GuessRead, n_bytes: int,
+                          error: BaseException | None) -> None:
+        landed = None
+        with self._cv:
+            job.in_flight -= 1
+            job.read_bytes += n_bytes
+            self._ended_read()
+            if error is not None and job.error is None:
+                job.error = error
+                job.chunks.clear()  # the rest is of no use: the store reads it again
+            if not job.chunks and not job.in_flight and job.state == RUNNING:
+                job.seconds = time.perf_counter() - job._began
+                if job.stopping:
+                    self._finish(job, CANCELLED)
+                else:
+                    landed = job._on_landed
+                    self._finish(job, DONE)
+            self._cv.notify_all()
+        if landed is not None:
+            landed(job)
+
+    def _finish(self, job: GuessRead, state: str) -> None:
+        """Under the lock."""
+        job.state = state
+        job.chunks.clear()
+        self._guesses.remove(job)
+        self._cv.notify_all()
+
+    def _began_read(self) -> None:
+        """Under the lock: the link's busy time starts with the first read in flight."""
+        if not self._running:
+            self._since = time.perf_counter()
+        self._running += 1
+
+    def _ended_read(self) -> None:
+        self._running -= 1
+        if not self._running:
+            with self.disk.lock:
+                self.disk.stats.seconds += time.perf_counter() - self._since
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Drop guesses not started, let every read in flight end, stop the threads."""
+        with self._cv:
+            self._stopping = True
+            for job in list(self._guesses):
+                if not job.urgent:  # one the store waits for is read to its end
+                    job.chunks.clear()
+                    job.stopping = True
+                    if not job.in_flight:
+                        self._finish(job, CANCELLED)
+            self._cv.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self._threads = []
+        with self._cv:
+            self._stopping = False

@@ -14,16 +14,19 @@ needs one; victims go before unused reads, oldest first. So the reserve is never
 while the throttle has prefetch off. A used guess the policy admits keeps its slot and its
 victim joins the reserve: the reserve stays whole.
 
-The worker only fills the slot it was given; before a guess's slot is freed or handed to a
-request, its read is cancelled (not started) or waited for (running). Waiting is the one cost a
-guess puts on the store's thread here: it is counted (``Prefetcher.spent``).
+Guesses are read by the store's reader threads in the disk's idle time (moeswap.experts.
+disk_reads, ``ParallelReads.guess``), each only into the slot it was given. Before a guess's
+slot is freed its read is stopped (chunks in flight end first); a request for a guess still
+being read takes it over at the step's priority (``GuessRead.promote``), and the store computes
+it when it lands, as it would a miss's read.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from moeswap.experts.prefetch import Prefetcher, ReadJob, ReadWorker
+from moeswap.experts.disk_reads import DONE, GuessRead, ParallelReads
+from moeswap.experts.prefetch import Prefetcher
 from moeswap.experts.stats import LayerStats
 from moeswap.experts.tiers import SlotPool
 from moeswap.models.quant_experts import ExpertLayout
@@ -39,22 +42,25 @@ def reserved_slots(host_slots: int, top_k: int, depth: int) -> int:
 
 
 class HostGuesses:
-    def __init__(self, pool: SlotPool, worker: ReadWorker, prefetch: Prefetcher,
+    def __init__(self, pool: SlotPool, reads: ParallelReads, prefetch: Prefetcher,
                  layer_stats: dict[int, LayerStats]):
-        self.pool, self.worker, self.prefetch, self.layer_stats = pool, worker, prefetch, layer_stats
+        self.pool, self.worker, self.prefetch, self.layer_stats = pool, reads, prefetch, layer_stats
         self.slots: OrderedDict[Key, int] = OrderedDict()  # guess -> its host slot, oldest first
-        self.reads: dict[Key, ReadJob] = {}  # handed to the worker, not yet collected
+        self.reads: dict[Key, GuessRead] = {}  # handed to the readers, not yet collected
         self.filled: set[Key] = set()  # guesses whose slot holds their bytes
         self._unused: dict[Key, tuple[float, int]] = {}  # landed, not asked for yet: (read
         # seconds nobody waited for, bytes)
-        self._batch: list[ReadJob] = []
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slots
 
     def reading(self, key: Key) -> bool:
-        """Whether the guess's read is with the worker, not collected yet."""
+        """Whether the guess's read is with the readers, not collected yet."""
         return key in self.reads
+
+    def in_flight(self, key: Key) -> bool:
+        """Whether the guess's bytes are not all in yet."""
+        return key in self.reads and self.reads[key].state != DONE
 
     def landed_slot(self, key: Key) -> int | None:
         """The slot of a guess whose bytes are in it; None for others."""
@@ -65,12 +71,11 @@ class HostGuesses:
         return self.pool.n_free > 0 or any(k not in keep for k in self.slots)
 
     def queue_full(self) -> bool:
-        return self.worker.waiting + len(self._batch) >= self.prefetch.queue_bound
+        return self.worker.waiting >= self.prefetch.queue_bound
 
     def reserve(self, key: Key, layout: ExpertLayout, keep: set) -> bool:
         """A slot for a new guess: a free one, else the first to go not in ``keep`` (kept
-        experts, then unused reads) -> whether it got one (its read then waits for
-        ``submit``)."""
+        experts, then unused reads) -> whether it got one (its read is then queued)."""
         if not self.pool.n_free:
             victim = self._first_to_go(keep)
             if victim is None:
@@ -78,36 +83,37 @@ class HostGuesses:
             self.drop(victim)
         index = self.pool.take(key)
         self.slots[key] = index
-        self.reads[key] = ReadJob(layout, key[1], self.pool.slot(index))
-        self._batch.append(self.reads[key])
+        self.reads[key] = self.worker.guess(layout, key[1], self.pool.slot(index))
+        self.prefetch.counts.reads += 1
         return True
 
-    def submit(self) -> None:
-        """The reads reserved since the last call, to the worker in one wake-up."""
-        self.worker.submit(self._batch)
-        self.prefetch.counts.reads += len(self._batch)
-        self._batch = []
-
     def collect(self, layer: int, needed: set) -> None:
-        """Before ``layer`` runs: note reads that landed; cancel those not started for this or
-        earlier layers that it does not need (stale guesses: their slots are freed). Landed
-        guesses for those layers were wrong: counted wasted, they stay as kept experts (the
-        first to go; asked for later, a host hit)."""
+        """Before ``layer`` runs: note reads that landed; stop those for this or earlier layers
+        that it does not need (stale guesses: their slots are freed). Landed guesses for those
+        layers were wrong: counted wasted, they stay as kept experts (the first to go; asked
+        for later, a host hit)."""
         for key, job in list(self.reads.items()):
-            if job.state == "done":
+            if job.state == DONE:
                 del self.reads[key]
-                self._land(key, job, 0.0)
-            elif key[0] <= layer and key not in needed and self.worker.cancel(job):
-                del self.reads[key]
+                self._land(key, job)
+            elif key[0] <= layer and key not in needed and self._settle(key):
                 self._forget(key)
-                self.prefetch.counts.cancelled += 1
         for key in [k for k in self._unused if k[0] <= layer and k not in needed]:
             self._wasted(key)
 
-    def take(self, key: Key) -> tuple[int, bool]:
+    def take(self, key: Key) -> tuple[int, bool, GuessRead | None]:
         """A request uses this guess: its slot leaves the guesses -> (slot, whether the bytes
-        are in it; if not, the caller reads them)."""
-        self._settle(key)
+        are in it, the read still filling it: the caller promotes it). Neither: the caller
+        reads the bytes (the guess's read failed)."""
+        job = self.reads.pop(key, None)
+        if job is not None and job.state != DONE:
+            self.prefetch.read_outcome(key[0], used=True)
+            self.prefetch.counts.used += 1
+            self.prefetch.counts.bytes_prefetched += job.n_bytes
+            self.prefetch.hid(job.seconds_so_far())
+            return self.slots.pop(key), False, job
+        if job is not None:
+            self._land(key, job)
         if key in self._unused:
             hidden, _ = self._unused.pop(key)
             self.prefetch.read_outcome(key[0], used=True)
@@ -115,7 +121,7 @@ class HostGuesses:
             self.prefetch.hid(hidden)
         ready = key in self.filled
         self.filled.discard(key)
-        return self.slots.pop(key), ready
+        return self.slots.pop(key), ready, None
 
     def keep(self, key: Key, index: int) -> None:
         """A used guess the host policy did not admit, or the policy's victim, stays in its
@@ -137,7 +143,7 @@ class HostGuesses:
                     next(iter(others), None))
 
     def drop(self, key: Key) -> None:
-        """Free an unused guess's slot, its read cancelled or waited for first."""
+        """Free an unused guess's slot, its read stopped first."""
         self._settle(key)
         if key in self._unused:
             self._wasted(key)
@@ -160,28 +166,31 @@ class HostGuesses:
 
     def settle_all(self) -> None:
         """Let every read in flight land (tests check the slots' bytes after it)."""
-        for key in list(self.reads):
-            self._settle(key)
+        for key, job in list(self.reads.items()):
+            self.worker.wait(job)
+            del self.reads[key]
+            self._land(key, job)
 
-    def _settle(self, key: Key) -> None:
+    def _settle(self, key: Key) -> bool:
+        """A guess nobody asks for now: its read stopped (what it read is wasted) -> True; or,
+        if it had landed, noted as landed -> False."""
         job = self.reads.pop(key, None)
         if job is None:
-            return
-        if self.worker.cancel(job):
+            return False
+        if self.worker.stop(job):
             self.prefetch.counts.cancelled += 1
-            return
-        waited = self.worker.wait(job)
-        self.layer_stats[key[0]].stall_seconds += waited
-        self.prefetch.counts.wait_seconds += waited
-        self.prefetch.spent(waited)
-        self._land(key, job, waited)
+            self.prefetch.counts.bytes_prefetched += job.read_bytes
+            self.prefetch.counts.bytes_wasted += job.read_bytes
+            return True
+        self._land(key, job)
+        return False
 
-    def _land(self, key: Key, job: ReadJob, waited: float) -> None:
+    def _land(self, key: Key, job: GuessRead) -> None:
         if job.error is not None:  # the slot stays unfilled: a request reads it (and reports)
             return
         self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
         self.filled.add(key)
-        self._unused[key] = (max(job.seconds - waited, 0.0), job.layout.expert_bytes)
+        self._unused[key] = (job.seconds, job.layout.expert_bytes)
 
     def _forget(self, key: Key) -> None:
         self.filled.discard(key)

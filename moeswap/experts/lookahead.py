@@ -1,5 +1,5 @@
 """Prefetch orchestration: before each layer step, guesses for the next layers are read into
-host slots reserved for them on a worker thread (moeswap.experts.guesses), and on a CUDA device
+host slots reserved for them in the disk's idle time (moeswap.experts.guesses), and on a CUDA device
 tier the guesses worth moving are uploaded on the copy stream. The throttle turns all of it off
 where it does not measurably pay (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
 A wrong guess costs a read and a slot, never a different output.
@@ -8,12 +8,11 @@ A wrong guess costs a read and a slot, never a different output.
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
 from moeswap.experts.guesses import HostGuesses
-from moeswap.experts.prefetch import Prefetcher, ReadWorker
+from moeswap.experts.prefetch import Prefetcher
 from moeswap.experts.residency import Key, Residency
 from moeswap.experts.settings import OffloadSettings
 
@@ -27,17 +26,16 @@ class Lookahead:
         self.first_layer = layers[0]
         self.prefetch = Prefetcher(settings.prefetch, settings.prefetch_depth, layers, routers,
                                    r.layouts[layers[0]].n_experts, top_k)
-        self.worker = ReadWorker(r.disk.paths, settings.cold_reads)
-        self.guesses = r.guesses = HostGuesses(r.pools["host"], self.worker, self.prefetch,
+        self.guesses = r.guesses = HostGuesses(r.pools["host"], r.reads, self.prefetch,
                                                r.layer_stats)
-        # the thread holds no reference to this object, so dropping it stops the thread
-        self.close = weakref.finalize(self, self.worker.close)
         self._to_upload: set[Key] = set()  # device guesses waiting for their read
         self._on = False  # the throttle's word for the current forward
 
     def before_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """x [N, D], ids [N, K]: a layer step is about to run; guess ahead if the throttle
-        lets prefetch run in this forward (counting the time it takes)."""
+        lets prefetch run in this forward (counting the time it takes). No guess starts
+        reading before the step has issued its own reads (moeswap.experts.step_reads)."""
+        self.residency.reads.hold()
         if self._running(layer, x.shape[0]):
             started = time.perf_counter()
             self.ahead(layer, x, ids)
@@ -80,7 +78,6 @@ class Lookahead:
             else:
                 self.prefetch.link.spend(r.layouts[key[0]].expert_bytes)
                 pinned.add(key)
-        self.guesses.submit()
         if device_ahead:
             self._upload_ahead(layer, guesses, pinned)
 

@@ -27,10 +27,10 @@ rule uses. Reads are issued only
   a request uses it, so it never evicts a requested expert (moeswap.experts.guesses); with no
   such slot, nothing is predicted.
 
-Reads run on ``ReadWorker``'s thread (``preadv`` releases the GIL, so they overlap the kernels);
-the store decides residency on its own thread (moeswap.experts.store), and hands a layer's reads
-over in one batch: each wake-up of the worker costs the store's thread a GIL hand-off, measured
-at ~0.6 ms on a busy 2-core machine, more than a small model's read takes.
+Reads run on the store's reader threads in the disk's idle time, behind every read a step asks
+for, a chunk at a time (moeswap.experts.disk_reads): a guess fills the time between a layer's
+last read and the next layer's routing, and a step's own read waits at most for one chunk.
+The store decides residency on its own thread (moeswap.experts.store).
 
 Above all of that, ``Throttle`` keeps prefetch from costing time: it times whole forwards with
 prefetch off, then on (a probe of ``PROBE_FORWARDS`` each, off first, so a run shorter than that
@@ -48,18 +48,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from moeswap.errors import MoeswapError
 from moeswap.experts.settings import PREDICTORS
-from moeswap.experts.tiers import DiskReader
-from moeswap.models.quant_experts import ExpertLayout
 
 MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions than hits save
 PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
@@ -361,99 +356,3 @@ class Throttle:
         return {"on_now": self.on, "probes": self.probes, "probes_won": self.probes_won,
                 "forwards_on": self.forwards_on, "forwards_off": self.forwards_off,
                 "probe_on_seconds": on, "probe_off_seconds": off}
-
-
-PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
-
-
-@dataclass(eq=False)
-class ReadJob:
-    layout: ExpertLayout
-    expert: int
-    target: np.ndarray  # the host slot it fills
-    state: str = PENDING
-    seconds: float = 0.0
-    error: BaseException | None = field(default=None, repr=False)
-
-
-class ReadWorker:
-    """One thread reading experts into host slots in order; started at the first read."""
-
-    def __init__(self, paths, cold: bool):
-        self.disk = DiskReader(paths, cold=cold)
-        self._cv = threading.Condition()
-        self._queue: deque[ReadJob] = deque()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    def submit(self, jobs: list[ReadJob]) -> None:
-        """Queue reads in order; one wake-up of the worker for all of them."""
-        if not jobs:
-            return
-        with self._cv:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="moeswap-prefetch",
-                                                daemon=True)
-                self._thread.start()
-            self._queue.extend(jobs)
-            self._cv.notify_all()
-
-    def cancel_waiting(self) -> list[ReadJob]:
-        """Drop every read that has not started -> those reads."""
-        with self._cv:
-            dropped = list(self._queue)
-            for job in dropped:
-                job.state = CANCELLED
-            self._queue.clear()
-            return dropped
-
-    def cancel(self, job: ReadJob) -> bool:
-        """Drop a read that has not started -> True; False when it runs or ran."""
-        with self._cv:
-            if job.state != PENDING:
-                return False
-            self._queue.remove(job)
-            job.state = CANCELLED
-            return True
-
-    def wait(self, job: ReadJob) -> float:
-        """Block until a started read is done -> seconds waited."""
-        started = time.perf_counter()
-        with self._cv:
-            while job.state == RUNNING:
-                self._cv.wait()
-        return time.perf_counter() - started
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._stopping:
-                    self._cv.wait()
-                if self._stopping:
-                    return
-                job = self._queue.popleft()
-                job.state = RUNNING
-            started = time.perf_counter()
-            try:
-                self.disk.read_expert(job.layout, job.expert, job.target)
-            except (OSError, MoeswapError) as e:  # the store reads it again and reports any error
-                job.error = e
-            job.seconds = time.perf_counter() - started
-            with self._cv:
-                job.state = DONE
-                self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._stopping = True
-            for job in self._queue:
-                job.state = CANCELLED
-            self._queue.clear()
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-        self.disk.close()

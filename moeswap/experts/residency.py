@@ -19,6 +19,7 @@ For each expert a layer step needs, ``serve``:
 from __future__ import annotations
 
 import time
+import weakref
 
 import numpy as np
 
@@ -57,6 +58,8 @@ class Residency:
         self._ring_next = 0
         self.disk = DiskReader(gguf.piece_paths, cold=settings.cold_reads)
         self.reads = ParallelReads(self.disk, settings.read_depth)
+        # the reader threads hold no reference to this object: collecting it stops them
+        self.close_reads = weakref.finalize(self, self.reads.close)
         # an approximation (moeswap.experts.lowbit): its copies are charged to the host budget
         self.lowbit = (LowBitCopies(gguf, layouts, settings.miss_lowbit)
                        if settings.miss_lowbit else None)
@@ -168,11 +171,20 @@ class Residency:
         return source
 
     def _use_guess(self, key: Key, stats: LayerStats) -> int:
-        """A request for a guess: its slot, with its bytes (read now if its read was cancelled),
-        and the host policy asked in as without prefetch -> the slot."""
-        index, ready = self.guesses.take(key)
+        """A request for a guess: its slot, with its bytes (a read still filling it is taken
+        over at the step's priority; read now if its read failed), and the host policy asked
+        in as without prefetch -> the slot."""
+        index, ready, filling = self.guesses.take(key)
         if ready:
             stats.host_hits += 1
+        elif filling is not None:  # counted a miss: the step may wait for the disk
+            stats.disk_misses += 1
+            if self.overlapped:  # computed when it lands, as a miss's read
+                self.step.pending[key] = index, filling.promote(self.step.landed)
+            else:
+                started = time.perf_counter()
+                filling.result()
+                stats.stall_seconds += time.perf_counter() - started
         else:
             stats.disk_misses += 1
             layout, before = self.layouts[key[0]], self.disk.stats.seconds
@@ -254,6 +266,11 @@ class Residency:
             if k in self.slots[tier] and k not in policy:
                 self.evict(tier, k, self.layer_stats[k[0]])
         return key in policy
+
+    def ready(self, key: Key) -> bool:
+        """Whether ``key``'s bytes are in a slot now (held, and not a guess still reading)."""
+        return self.holds(key) and not (self.guesses is not None
+                                        and self.guesses.in_flight(key))
 
     def holds(self, key: Key) -> bool:
         """Whether a tier's policy or an unused guess holds ``key``."""

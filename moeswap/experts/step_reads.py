@@ -45,6 +45,7 @@ class StepReads:
         self.pending: dict[Key, tuple[int, ExpertRead]] = {}
         self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
         self._landed: queue.SimpleQueue[ExpertRead] = queue.SimpleQueue()
+        self.landed = self._landed.put  # what a read calls when its bytes are in
 
     def start(self, layer: int, experts: list[int]) -> None:
         r = self.r
@@ -64,8 +65,7 @@ class StepReads:
                 if taken == index:  # evicted within the step, its read in flight: it lands first
                     read.wait()
                     del self.pending[other]
-            self.pending[key] = index, r.reads.submit(layout, key[1], slot, None,
-                                                      self._landed.put)
+            self.pending[key] = index, r.reads.submit(layout, key[1], slot, None, self.landed)
             return
         before = r.disk.stats.seconds
         r.disk.read_expert(layout, key[1], slot)
@@ -77,6 +77,7 @@ class StepReads:
         later miss may take a ring or device slot an earlier one used)."""
         serve = self.r.serve
         if not self.r.overlapped:
+            self.r.reads.release()
             for expert, n_tokens in requests:
                 stats.requests += 1
                 yield expert, serve(self.layer, expert, n_tokens, stats)
@@ -87,6 +88,7 @@ class StepReads:
         for expert, n_tokens in requests:
             stats.requests += 1
             places.append((expert, serve(self.layer, expert, n_tokens, stats)))
+        self.r.reads.release()  # the step's reads are issued: guesses may use the idle disk
         for expert, place in places:
             filling = self.pending.pop((self.layer, expert), None)
             if filling is not None:
@@ -122,7 +124,7 @@ class StepReads:
                     index, expert = free.popleft(), queued.popleft()
                     r.staging.holder[index] = (layer, expert)
                     read = r.reads.submit(r.layouts[layer], expert, r.staging.slot(index), parts,
-                                          self._landed.put)
+                                          self.landed)
                     stats.disk_bytes += read.n_bytes
                     waiting[read] = expert, ("staging", index)
                 started = time.perf_counter()

@@ -112,7 +112,7 @@ class ExpertStore:
         for); then each miss as it lands. Without overlap (device slots) each expert is
         computed as it is served: a later one may take the slot an earlier one used."""
         r = self.residency
-        hits = {e for e, _ in requests if r.holds((layer, e))} if r.overlapped else set()
+        hits = {e for e, _ in requests if r.ready((layer, e))} if r.overlapped else set()
         batch: list[tuple[int, tuple[str, int]]] = []
         for expert, place in r.step.first_pass(requests, stats):
             if expert in hits:
@@ -227,11 +227,8 @@ class ExpertStore:
         return scaled, keep.flatten()
 
     def close(self) -> None:
-        """Stop the prefetch worker and the reader threads (also done when the store is
-        collected)."""
-        if self.lookahead is not None:
-            self.lookahead.close()
-        self.residency.reads.close()
+        """Stop the reader threads (also done when the store is collected)."""
+        self.residency.close_reads()
 
     def held_bytes(self) -> dict[str, int]:
         return self.residency.held_bytes()

@@ -151,15 +151,17 @@ class DiskReader:
         with self.lock:
             self.stats.seconds += time.perf_counter() - started
 
-    def read_piece(self, part: ExpertPart, expert: int, target: np.ndarray) -> None:
+    def read_piece(self, part: ExpertPart, expert: int, target: np.ndarray,
+                   within: int = 0) -> None:
+        """Read the piece's bytes from ``within`` on (a chunk of it) into ``target``."""
         start = part.data_start + expert * part.expert_bytes
         try:
-            self._file(part.file).read(target, start)
+            self._file(part.file).read(target, start + within)
         except ShortRead:
             raise truncated(self.paths[part.file], part, start, start + part.expert_bytes) \
                 from None
         with self.lock:
-            self.stats.bytes += part.expert_bytes
+            self.stats.bytes += target.nbytes
             self.stats.reads += 1
 
     def _file(self, file: int) -> ModelFile:
