@@ -1,5 +1,5 @@
 """The prefetch throttle: prefetch kept only where forwards with it are measured faster, probes
-cut short when it costs more than it hides, and the idle link's read budget; on a fake clock."""
+lost when it costs more than it hides, and the idle link's read budget; on a fake clock."""
 
 from __future__ import annotations
 
@@ -82,13 +82,13 @@ def test_idle_link_budget_is_the_off_forwards_idle_time_at_the_read_rate():
     assert link.per_forward == pytest.approx(250_000) and link.allows()
 
 
-def test_throttle_cuts_a_probe_short_when_prefetch_costs_more_than_it_hides():
+def test_throttle_loses_a_probe_when_prefetch_costs_more_than_it_hides():
     clock = _Clock()
     t = Throttle(clock)
     _run_forwards(t, clock, PROBE_FORWARDS, 1.0, 1.0)  # the off arm
-    for forward in range(EARLY_FORWARDS):  # on forwards timed faster, but costing more than
-        assert t.forward(1)                 # they hid: the cost rule alone cuts the probe
-        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001
+    for forward in range(PROBE_FORWARDS):  # on forwards timed faster, but costing more than
+        assert t.forward(1)                 # they hid: the cost rule alone loses the probe,
+        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001  # at its end, not before
         clock.now += 0.5
     assert not t.forward(1) and (t.probes, t.probes_won) == (1, 0)
-    assert t.forwards_on == EARLY_FORWARDS and t._hold == RECHECK_FORWARDS
+    assert t.forwards_on == PROBE_FORWARDS and t._hold == RECHECK_FORWARDS

@@ -55,7 +55,7 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "the next router on this layer's input (gate), by routing history "
                         "(history) or both; turned off by itself where forwards are not measured "
                         "faster with it (default gate; off: never)")
-    g.add_argument("--prefetch-depth", type=int, default=2, metavar="N",
+    g.add_argument("--prefetch-depth", type=int, default=1, metavar="N",
                    help="how many MoE layers ahead to guess (default 2; 0: off)")
     g.add_argument("--replay-routing", metavar="TRACE",
                    help="MEASUREMENT: use a recorded trace's (.npz) expert choices and gate "

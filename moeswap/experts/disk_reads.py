@@ -32,9 +32,10 @@ import numpy as np
 from moeswap.experts.tiers import DiskReader, slot_pieces
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
-# A guess's read unit: what a step read may have to wait for. 1 MiB reads keep a virtual disk
-# near its full rate at one in flight (docs/BENCHMARKS.md, issue 19, session 11).
-CHUNK_BYTES = 1 << 20
+# A guess's read unit, what a step read may have to wait for: ~2 ms at 2 GB/s. Measured against
+# 1 MiB on the 2.2 GB model in a 1.2 GB cgroup: 81-90 % of the floor against 81-84 %
+# (docs/BENCHMARKS.md, issue 19, session 11); a real model's pieces are larger than either.
+CHUNK_BYTES = 4 << 20
 
 PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
 

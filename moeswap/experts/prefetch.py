@@ -37,9 +37,11 @@ prefetch off, then on (a probe of ``PROBE_FORWARDS`` each, off first, so a run s
 never pays for prefetch), keeps it on only where on was at least ``MARGIN`` faster, and
 otherwise turns it off completely (no prediction, no reads) for ``RECHECK_FORWARDS`` forwards,
 doubling up to ``MAX_RECHECK`` while it keeps losing. The on arm is cut short, lost, after
-``EARLY_FORWARDS`` forwards if their median is not under the off arm's, or if the store's
-thread spent longer on prefetch (predicting, handing reads over, waiting for them) than the
-load time it hid.
+``EARLY_FORWARDS`` forwards if their median is not under the off arm's; at its end it is lost
+too if the store's thread spent longer on prefetch (predicting, handing reads over, waiting for
+them) than the load time it hid. (Not after the first forwards: the first guesses of each layer
+are only checked, not read, so a few forwards count the predictor's cost and little of what it
+hides.)
 
 Legend: N tokens, K picks per token, X experts of a layer.
 """
@@ -338,10 +340,10 @@ class Throttle:
         if timed_on < EARLY_FORWARDS:
             return
         on, off = (statistics.median(self._times[arm]) for arm in (True, False))
-        if on >= off or self.cost > self.hidden:
+        if on >= off:
             self._decide(False, (on, off))
         elif timed_on >= PROBE_FORWARDS:
-            self._decide(on < off * (1 - MARGIN), (on, off))
+            self._decide(on < off * (1 - MARGIN) and self.cost <= self.hidden, (on, off))
 
     def _decide(self, won: bool, medians: tuple[float, float]) -> None:
         self.medians, self.probes, self._probing, self.on = medians, self.probes + 1, False, won

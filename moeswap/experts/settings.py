@@ -30,5 +30,5 @@ class OffloadSettings:
     # a torch device ("cuda", or "cpu" to test that path): slots there, products computed there.
     device_backend: str = "ram"
     prefetch: str = "off"  # --prefetch: off, gate, history or both (moeswap.experts.prefetch)
-    prefetch_depth: int = 2  # --prefetch-depth: how many MoE layers ahead to guess
+    prefetch_depth: int = 1  # --prefetch-depth: how many MoE layers ahead to guess
     miss_lowbit: str = ""  # --miss-lowbit TYPE: serve unadmitted misses from low-bit copies
