@@ -77,8 +77,9 @@ class GuessRead:
     """A guessed expert read chunk by chunk into its slot. ``state`` is pending (no chunk
     started), running, done or cancelled; ``seconds``: the wall time it was read in."""
 
-    def __init__(self, layout: ExpertLayout, expert: int, target: np.ndarray):
-        self.layout, self.expert, self.target = layout, expert, target
+    def __init__(self, pool: ParallelReads, layout: ExpertLayout, expert: int,
+                 target: np.ndarray):
+        self._pool, self.layout, self.expert = pool, layout, expert
         self.n_bytes = layout.expert_bytes
         self.chunks: deque[tuple[ExpertPart, np.ndarray, int]] = deque(
             (part, piece[at:at + CHUNK_BYTES], at)
@@ -91,7 +92,6 @@ class GuessRead:
         self.read_bytes = 0  # chunks read so far (a stopped guess's wasted bytes)
         self.seconds, self._began = 0.0, 0.0
         self._on_landed: Callable[[GuessRead], None] | None = None
-        self._pool: ParallelReads | None = None
 
     def seconds_so_far(self) -> float:
         """How long it has been read for (0 before its first chunk)."""
@@ -118,7 +118,8 @@ class ParallelReads:
     def __init__(self, disk: DiskReader, depth: int):
         self.disk, self.depth = disk, max(1, depth)
         self._cv = threading.Condition()
-        self._steps: deque[tuple[ExpertPart, int, np.ndarray, ExpertRead]] = deque()
+        # (piece, expert, target, offset in the piece, its expert's read)
+        self._steps: deque[tuple[ExpertPart, int, np.ndarray, int, ExpertRead]] = deque()
         self._guesses: deque[GuessRead] = deque()  # not finished, in submission order
         self._threads: list[threading.Thread] = []
         self._step_running = 0  # step pieces being read
@@ -155,8 +156,7 @@ class ParallelReads:
 
     def guess(self, layout: ExpertLayout, expert: int, slot: np.ndarray) -> GuessRead:
         """Read a guessed expert into ``slot`` in the disk's idle time."""
-        job = GuessRead(layout, expert, slot)
-        job._pool = self
+        job = GuessRead(self, layout, expert, slot)
         with self._cv:
             self._start_threads()
             self._guesses.append(job)

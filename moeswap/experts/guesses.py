@@ -23,6 +23,7 @@ it when it lands, as it would a miss's read.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from moeswap.experts.disk_reads import DONE, GuessRead, ParallelReads
@@ -177,7 +178,13 @@ class HostGuesses:
         job = self.reads.pop(key, None)
         if job is None:
             return False
-        if self.worker.stop(job):
+        started = time.perf_counter()
+        stopped = self.worker.stop(job)
+        waited = time.perf_counter() - started  # for its chunk in flight
+        self.layer_stats[key[0]].stall_seconds += waited
+        self.prefetch.counts.wait_seconds += waited
+        self.prefetch.spent(waited)
+        if stopped:
             self.prefetch.counts.cancelled += 1
             self.prefetch.counts.bytes_prefetched += job.read_bytes
             self.prefetch.counts.bytes_wasted += job.read_bytes
