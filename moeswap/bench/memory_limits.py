@@ -167,8 +167,8 @@ def table(body: dict) -> str:
               f"{r['disk_read'] / 1e9:.2f} GB/s; computed per token "
               f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
              ("| limit MiB | engine | decode tok/s | prompt tok/s | hit rate | misses/token | "
-              "MiB read/token (guessed in vain) | cgroup peak MiB | failcnt | cold reads GB/s | floor tok/s | "
-              "of floor | of cached floor | disk busy | GB/s while busy |"),
+              "MiB read/token (guessed in vain) | cgroup peak MiB | failcnt | cold reads GB/s | "
+              "floor tok/s | of floor | of cached floor | disk busy | GB/s while busy |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in body["rows"]:
         head = f"| {row['limit_bytes'] >> 20} | {row['engine']} |"

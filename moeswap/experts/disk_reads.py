@@ -210,17 +210,14 @@ class ParallelReads:
                 return
         on_landed(job)
 
-    def wait(self, job: GuessRead) -> float:
-        """Block until a guess is done (read at the step's priority meanwhile) -> seconds
-        waited."""
-        started = time.perf_counter()
+    def wait(self, job: GuessRead) -> None:
+        """Block until a guess is done (read at the step's priority meanwhile)."""
         with self._cv:
             if job.state not in (DONE, CANCELLED):
                 job.urgent = True
                 self._cv.notify_all()
             while job.state not in (DONE, CANCELLED):
                 self._cv.wait()
-        return time.perf_counter() - started
 
     # the readers
 

@@ -177,7 +177,7 @@ class Residency:
         index, ready, filling = self.guesses.take(key)
         if ready:
             stats.host_hits += 1
-        elif filling is not None:  # counted a miss: the step may wait for the disk
+        elif filling is not None:  # a miss still: the step may wait for the disk
             stats.disk_misses += 1
             if self.overlapped:  # computed when it lands, as a miss's read
                 self.step.pending[key] = index, filling.promote(self.step.landed)
@@ -185,7 +185,7 @@ class Residency:
                 started = time.perf_counter()
                 filling.result()
                 stats.stall_seconds += time.perf_counter() - started
-        else:
+        else:  # its read failed: read it now (and report)
             stats.disk_misses += 1
             layout, before = self.layouts[key[0]], self.disk.stats.seconds
             self.disk.read_expert(layout, key[1], self.pools["host"].slot(index))
