@@ -1,6 +1,6 @@
 """Guesses read in the disk's idle time (moeswap.experts.disk_reads): never while a step read
 waits or runs or a step issues its reads, one chunk at a time, so a step read waits for one
-chunk at most; a guess the store needs is read on at the step's priority, a stale one stops at
+chunk at most (that wait is counted); a guess the store needs is read on at the step's priority, a stale one stops at
 its chunk in flight; a reader survives any error, which surfaces where the read is used."""
 
 from __future__ import annotations
@@ -81,8 +81,11 @@ def test_a_guess_waits_for_the_step_and_a_step_read_for_one_chunk(pool):
     step = reads.submit(layout, 1, step_slot, None, lambda _: None)
     step.result()  # the step's pieces are read past the guess held in flight
     assert guess.read_bytes == 0 and all(expert == 1 for expert, _ in log[1:])
+    time.sleep(0.05)
+    assert reads.delay_seconds == 0  # counted when the chunk the step read came behind ends
     gates[2].set()
     guess.wait()
+    assert reads.delay_seconds >= 0.05  # from the step read's arrival to that chunk's end
     assert guess.state == "done" and guess.read_bytes == layout.expert_bytes
     experts = [expert for expert, _ in log]
     step_reads = experts.count(1)  # after the held chunk: the step's, then the guess's rest

@@ -44,7 +44,7 @@ def other_family(request, tmp_path_factory):
 def held_on(store):
     """The throttle bypassed: prefetch runs from the first forward (it probes off first)."""
     if store.lookahead is not None:
-        store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
+        store.lookahead.prefetch.throttle.forward = lambda: True
     return store
 
 
@@ -330,7 +330,7 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
     calls, guesses = [], store.lookahead.prefetch.guesses
     store.lookahead.prefetch.guesses = lambda *args: calls.append(args[0]) or guesses(*args)
     plan_on = iter([True, False, False])
-    store.lookahead.prefetch.throttle.forward = lambda n_tokens: next(plan_on)
+    store.lookahead.prefetch.throttle.forward = lambda: next(plan_on)
     generator = torch.Generator().manual_seed(2)
     for forward in range(3):
         for layer in layers[:2]:  # two MoE layers: reads for layers 1-4 stay queued at the gate

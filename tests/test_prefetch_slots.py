@@ -177,7 +177,7 @@ def test_throttled_off_the_reserve_reads_what_prefetch_off_reads(wide_mixtral, d
                            prefetch_depth=depth)
     kernels = CpuKernels(1)
     reserve = ExpertStore(gguf, kernels, layers, "silu", options)
-    reserve.lookahead.prefetch.throttle.forward = lambda n_tokens: False
+    reserve.lookahead.prefetch.throttle.forward = lambda: False
     assert reserve.residency.guess_slots == min(2 * depth, slots // 8) > 0
     off = ExpertStore(gguf, kernels, layers, "silu", OffloadSettings(
         host_bytes=fixed + slots * slot, policy="lru", prefetch="off"))

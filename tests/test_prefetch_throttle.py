@@ -1,94 +1,54 @@
-"""The prefetch throttle: prefetch kept only where forwards with it are measured faster, probes
-lost when it costs more than it hides, and the idle link's read budget; on a fake clock."""
+"""The prefetch throttle: prefetch judged by the store's counts in windows of forwards, kept on
+while the read time it hid exceeds what it cost, off for a pause that doubles while it keeps
+losing; and the store hands it those counts."""
 
 from __future__ import annotations
 
-import pytest
-
-from moeswap.experts.prefetch import (EARLY_FORWARDS, PROBE_FORWARDS, RECHECK_FORWARDS, IdleLink,
-                                      Throttle)
+from moeswap.experts.prefetch import MAX_RECHECK, RECHECK_FORWARDS, WINDOW_FORWARDS, Throttle
 
 
-class _Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def _run_forwards(throttle, clock, n, seconds_on, seconds_off, n_tokens=1) -> list[bool]:
+def _window(t: Throttle, hidden: float, cost: float) -> list[bool]:
+    """One window's forwards, each hiding and costing its share -> whether each ran prefetch."""
     states = []
-    for _ in range(n):
-        states.append(throttle.forward(n_tokens))
-        clock.now += seconds_on if states[-1] else seconds_off
+    for _ in range(WINDOW_FORWARDS):
+        states.append(t.forward())
+        if states[-1]:
+            t.hidden += hidden / WINDOW_FORWARDS
+            t.cost += cost / WINDOW_FORWARDS
     return states
 
 
-def test_throttle_keeps_prefetch_that_pays_and_rechecks_it():
-    clock = _Clock()
-    t = Throttle(clock)
-    states = _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.75, 1.0)
-    # 8 forwards timed off, 8 on (each timed when the next starts), then on again: it won
-    assert states == [False] * PROBE_FORWARDS + [True] * PROBE_FORWARDS + [True]
-    assert (t.probes, t.probes_won, t.medians) == (1, 1, (0.75, 1.0))
-    states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.75, 1.0)
-    assert all(states) and t.probes == 1
-    assert t.forward(1) is False and t._probing  # probing again, off first
+def test_a_window_that_hides_more_than_it_costs_keeps_prefetch_on():
+    t = Throttle()
+    assert all(_window(t, hidden=0.030, cost=0.010))  # on from the first forward
+    assert all(_window(t, hidden=0.020, cost=0.015))  # judged at the next forward: won
+    assert (t.windows, t.windows_won) == (1, 1) and t.last == (0.030, 0.010)
+    assert t.forward() and t.last == (0.020, 0.015)  # each window judged by its own counts
+    assert (t.windows, t.windows_won, t.forwards_on) == (2, 2, 2 * WINDOW_FORWARDS + 1)
 
 
-def test_throttle_turns_prefetch_off_when_not_faster_and_backs_off():
-    clock = _Clock()
-    t = Throttle(clock)
-    probe = 1 + 2 * PROBE_FORWARDS
-    _run_forwards(t, clock, probe, 0.99, 1.0)  # 1 % faster is inside the margin: off
-    assert (t.probes, t.probes_won, t.on) == (1, 0, False)
-    states = _run_forwards(t, clock, RECHECK_FORWARDS, 0.99, 1.0)
-    assert not any(states)  # off, with no work, for RECHECK_FORWARDS forwards
-    # the next probe: off, then on, cut short after EARLY_FORWARDS slower forwards
-    states = _run_forwards(t, clock, PROBE_FORWARDS + EARLY_FORWARDS + 1, 1.2, 1.0)
-    assert states == [False] * PROBE_FORWARDS + [True] * EARLY_FORWARDS + [False]
-    assert t.probes == 2 and t._hold == 2 * RECHECK_FORWARDS  # the pause doubled
-    assert t.forwards_on == PROBE_FORWARDS + EARLY_FORWARDS
+def test_a_losing_window_turns_prefetch_off_for_a_pause_that_doubles():
+    t = Throttle()
+    _window(t, hidden=0.010, cost=0.010)  # hid no more than it cost: lost
+    states = [t.forward() for _ in range(RECHECK_FORWARDS)]
+    assert not any(states) and (t.windows, t.windows_won) == (1, 0)
+    assert t.hidden == t.cost == 0.0  # the lost window's counts are not carried on
+    assert all(_window(t, hidden=0.0, cost=0.001))  # a window on again, lost again
+    assert not any(t.forward() for _ in range(2 * RECHECK_FORWARDS))  # the pause doubled
+    assert all(_window(t, hidden=0.050, cost=0.001))  # won: the pause back to its start
+    assert all(_window(t, hidden=0.0, cost=0.001))
+    assert not any(t.forward() for _ in range(RECHECK_FORWARDS))
+    assert t.forward() and t.forwards_off == 4 * RECHECK_FORWARDS
 
 
-def test_throttle_times_only_forwards_followed_by_one_of_the_same_size():
-    clock = _Clock()
-    t = Throttle(clock)
-    for n_tokens in (40, 1, 7, 3):  # a prefill, then batch sizes changing: nothing timed
-        t.forward(n_tokens)
-        clock.now += 100.0
-    assert t._times == {True: [], False: []}
-    _run_forwards(t, clock, 2 * PROBE_FORWARDS + 1, 0.5, 1.0)
-    assert t.medians == (0.5, 1.0)  # the 100 s forwards counted nowhere
-
-
-def test_idle_link_budget_is_the_off_forwards_idle_time_at_the_read_rate():
-    clock = iter([0.0, 0.010, 0.020, 0.030, 0.040, 0.050])
-    link = IdleLink(clock=lambda: next(clock))
-    read = dict(read_bytes=100_000, read_seconds=0.001)  # 100 MB/s
-    link.forward(1, 0.000, on=False, **read)
-    assert link.per_forward is None and link.allows()  # nothing timed yet: unlimited
-    link.forward(1, 0.006, on=False, **read)  # 10 ms forward, 6 ms stalled: 4 ms idle
-    assert link.per_forward == pytest.approx(400_000)  # 4 ms at 100 MB/s
-    link.spend(300_000)
-    assert link.allows()
-    link.spend(200_000)  # the last read may overshoot; then nothing more this forward
-    assert not link.allows()
-    link.forward(4, 0.010, on=False, **read)  # a forward of another size: not timed
-    link.forward(4, 0.019, on=True, **read)  # 10 ms, 9 ms stalled: 1 ms idle
-    assert link.per_forward == pytest.approx(250_000)  # the median of 4 and 1 ms
-    link.forward(4, 0.029, on=False, **read)  # a forward with prefetch on: not an idle sample
-    assert link.per_forward == pytest.approx(250_000) and link.allows()
-
-
-def test_throttle_loses_a_probe_when_prefetch_costs_more_than_it_hides():
-    clock = _Clock()
-    t = Throttle(clock)
-    _run_forwards(t, clock, PROBE_FORWARDS, 1.0, 1.0)  # the off arm
-    for forward in range(PROBE_FORWARDS):  # on forwards timed faster, but costing more than
-        assert t.forward(1)                 # they hid: the cost rule alone loses the probe,
-        t.cost, t.hidden = t.cost + 0.002, t.hidden + 0.001  # at its end, not before
-        clock.now += 0.5
-    assert not t.forward(1) and (t.probes, t.probes_won) == (1, 0)
-    assert t.forwards_on == PROBE_FORWARDS and t._hold == RECHECK_FORWARDS
+def test_the_pause_stops_doubling_at_its_cap():
+    t, pauses = Throttle(), []
+    _window(t, hidden=0.0, cost=0.001)
+    for _ in range(7):  # each window lost: it cost and hid nothing
+        off = 0
+        while not t.forward():  # the first of these judges the window before
+            off += 1
+        pauses.append(off)
+        t.cost += 0.001
+        assert all(t.forward() for _ in range(WINDOW_FORWARDS - 1))
+    assert pauses == [min(RECHECK_FORWARDS << i, MAX_RECHECK) for i in range(7)]

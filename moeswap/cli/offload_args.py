@@ -208,9 +208,9 @@ def prefetch_lines(s: dict, stalled: float) -> list[str]:
              f"without prefetch about {stalled + s['hidden_seconds']:.2f} s"]
     a = s["adaptive"]
     lines.append(f"prefetch throttle: on in {a['forwards_on']} forwards, off in "
-                 f"{a['forwards_off']}; {a['probes_won']} of {a['probes']} probes kept it on"
-                 + (f" (last: {a['probe_on_seconds'] * 1e3:.1f} ms per forward on, "
-                    f"{a['probe_off_seconds'] * 1e3:.1f} ms off)" if a["probes"] else ""))
+                 f"{a['forwards_off']}; {a['windows_won']} of {a['windows']} windows kept it on"
+                 + (f" (last: hid {a['last_hidden_seconds'] * 1e3:.1f} ms, cost "
+                    f"{a['last_cost_seconds'] * 1e3:.1f} ms)" if a["windows"] else ""))
     for layer, by_depth in s["layers"].items():
         parts = [f"depth {d}: recall {a['recall']:.0%} precision {a['precision']:.0%}"
                  f"{'' if a['reads_enabled'] else ' (reads off)'}"

@@ -17,7 +17,9 @@ kinds of work share them:
   once; a stale one is stopped at its next chunk (``stop``).
 
 ``DiskReader.stats.seconds`` gets the wall time during which any of these reads ran (the link
-busy), so bytes over seconds stays the read rate with several reads at once.
+busy), so bytes over seconds stays the read rate with several reads at once. ``delay_seconds``
+is what guesses may have cost the step's reads: the time from a step read's arrival while a
+guess chunk ran to that chunk's end (the prefetch throttle weighs it).
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ class ExpertRead:
     def wait(self) -> None:
         self._landed.wait()
 
+    def landed(self) -> bool:
+        return self._landed.is_set()
+
     def result(self) -> None:
         self.wait()
         if self._error is not None:
@@ -75,7 +80,7 @@ class ExpertRead:
 
 class GuessRead:
     """A guessed expert read chunk by chunk into its slot. ``state`` is pending (no chunk
-    started), running, done or cancelled; ``seconds``: the wall time it was read in."""
+    started), running, done or cancelled."""
 
     def __init__(self, pool: ParallelReads, layout: ExpertLayout, expert: int,
                  target: np.ndarray):
@@ -90,12 +95,7 @@ class GuessRead:
         self.stopping = False  # stopped: the chunks in flight end it, cancelled
         self.error: BaseException | None = None
         self.read_bytes = 0  # chunks read so far (a stopped guess's wasted bytes)
-        self.seconds, self._began = 0.0, 0.0
         self._on_landed: Callable[[GuessRead], None] | None = None
-
-    def seconds_so_far(self) -> float:
-        """How long it has been read for (0 before its first chunk)."""
-        return time.perf_counter() - self._began if self.state == RUNNING else self.seconds
 
     def promote(self, on_landed: Callable[[GuessRead], None]) -> GuessRead:
         """The store needs it: the rest is read at the step's priority; ``on_landed(self)`` once
@@ -126,6 +126,10 @@ class ParallelReads:
         self._running, self._since = 0, 0.0  # any read; since when the link is busy
         self._held = False
         self._stopping = False
+        self._idle_chunks = 0  # chunks in flight of guesses nobody had asked for at their start
+        self._delayed_since: float | None = None  # a step read came while such chunks ran
+        self.delay_seconds = 0.0  # how long step reads came while such chunks ran (each until
+        # the last of them ended: an upper bound on what guesses cost the step's reads)
 
     # the step's reads
 
@@ -139,6 +143,8 @@ class ParallelReads:
         with self._cv:
             self._start_threads()
             self._steps.extend((part, expert, target, 0, read) for part, target in pieces)
+            if self._idle_chunks and self._delayed_since is None:
+                self._delayed_since = time.perf_counter()
             self._cv.notify_all()
         return read
 
@@ -257,10 +263,11 @@ class ParallelReads:
                 if task[0] == "step":
                     self._step_running += 1
                 else:
-                    job = task[1]
+                    job, idle_chunk = task[1], not task[1].urgent
                     job.in_flight += 1
+                    self._idle_chunks += idle_chunk
                     if job.state == PENDING:
-                        job.state, job._began = RUNNING, time.perf_counter()
+                        job.state = RUNNING
             if task[0] == "step":
                 part, expert, target, at, read = task[1]
                 error = self._read(part, expert, target, at)
@@ -270,7 +277,8 @@ class ParallelReads:
                 read.piece_done(error)
             else:
                 _, job, (part, target, at) = task
-                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at))
+                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at),
+                                       idle_chunk)
 
     def _read_chunk(self, job: GuessRead, part: ExpertPart, target: np.ndarray,
                     within: int) -> BaseException | None:
@@ -284,18 +292,21 @@ class ParallelReads:
             return e
         return None
 
-    def _guess_chunk_done(self, job: GuessRead, n_bytes: int,
-                          error: BaseException | None) -> None:
+    def _guess_chunk_done(self, job: GuessRead, n_bytes: int, error: BaseException | None,
+                          idle_chunk: bool) -> None:
         landed = None
         with self._cv:
             job.in_flight -= 1
+            self._idle_chunks -= idle_chunk
+            if not self._idle_chunks and self._delayed_since is not None:
+                self.delay_seconds += time.perf_counter() - self._delayed_since
+                self._delayed_since = None
             job.read_bytes += n_bytes
             self._ended_read()
             if error is not None and job.error is None:
                 job.error = error
                 job.chunks.clear()  # the rest is of no use: the store reads it again
             if not job.chunks and not job.in_flight and job.state == RUNNING:
-                job.seconds = time.perf_counter() - job._began
                 if job.stopping:
                     self._finish(job, CANCELLED)
                 else:

@@ -111,7 +111,7 @@ class HostGuesses:
             self.prefetch.read_outcome(key[0], used=True)
             self.prefetch.counts.used += 1
             self.prefetch.counts.bytes_prefetched += job.n_bytes
-            self.prefetch.hid(job.seconds_so_far())
+            self.prefetch.hid(self._read_time(job.read_bytes))
             return self.slots.pop(key), False, job
         if job is not None:
             self._land(key, job)
@@ -197,7 +197,13 @@ class HostGuesses:
             return
         self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
         self.filled.add(key)
-        self._unused[key] = (job.seconds, job.layout.expert_bytes)
+        self._unused[key] = (self._read_time(job.layout.expert_bytes), job.layout.expert_bytes)
+
+    def _read_time(self, n_bytes: int) -> float:
+        """What reading ``n_bytes`` takes at the store's measured read rate (a guess's own wall
+        time counts the step reads that came between its chunks)."""
+        stats = self.worker.disk.stats
+        return n_bytes * stats.seconds / stats.bytes if stats.bytes else 0.0
 
     def _forget(self, key: Key) -> None:
         self.filled.discard(key)

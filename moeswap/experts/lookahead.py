@@ -30,25 +30,26 @@ class Lookahead:
                                                r.layer_stats)
         self._to_upload: set[Key] = set()  # device guesses waiting for their read
         self._on = False  # the throttle's word for the current forward
+        self._delay_seen = 0.0  # the readers' delay_seconds already handed to the throttle
 
     def before_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """x [N, D], ids [N, K]: a layer step is about to run; guess ahead if the throttle
         lets prefetch run in this forward (counting the time it takes). No guess starts
         reading before the step has issued its own reads (moeswap.experts.step_reads)."""
         self.residency.reads.hold()
-        if self._running(layer, x.shape[0]):
+        if self._running(layer):
             started = time.perf_counter()
             self.ahead(layer, x, ids)
             self.prefetch.spent(time.perf_counter() - started)
 
-    def _running(self, layer: int, n_tokens: int) -> bool:
-        """The throttle decides at each forward's first MoE layer, for the whole forward."""
+    def _running(self, layer: int) -> bool:
+        """The throttle decides at each forward's first MoE layer, for the whole forward, with
+        the step reads' delay behind guesses in the forward before counted."""
         if layer == self.first_layer:
-            r = self.residency
-            was, self._on = self._on, self.prefetch.throttle.forward(n_tokens)
-            stalled = sum(stats.stall_seconds for stats in r.layer_stats.values())
-            self.prefetch.link.forward(n_tokens, stalled, r.disk.stats.bytes,
-                                       r.disk.stats.seconds, self._on)
+            delay = self.residency.reads.delay_seconds
+            self.prefetch.delayed(delay - self._delay_seen)
+            self._delay_seen = delay
+            was, self._on = self._on, self.prefetch.throttle.forward()
             if was and not self._on:
                 self.guesses.pause()
                 self._to_upload.clear()
@@ -72,11 +73,10 @@ class Lookahead:
         for key in guesses:
             if r.holds(key):
                 pinned.add(key)
-            elif self.guesses.queue_full() or not self.prefetch.link.allows() or \
+            elif self.guesses.queue_full() or \
                     not self.guesses.reserve(key, r.layouts[key[0]], pinned):
-                break  # the link is busy with earlier guesses or requests, or no slot is left
+                break  # the readers have enough guesses waiting, or no slot is left
             else:
-                self.prefetch.link.spend(r.layouts[key[0]].expert_bytes)
                 pinned.add(key)
         if device_ahead:
             self._upload_ahead(layer, guesses, pinned)

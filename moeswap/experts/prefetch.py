@@ -19,9 +19,7 @@ rule uses. Reads are issued only
 - for target layers where the recent share of reads that were used before being evicted is at
   least ``MIN_PRECISION`` (a budget too small to keep a guess until its layer runs turns
   prefetch off there; one round in ``PROBE_EVERY`` still reads, to notice when that changes);
-- while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses), and while
-  this forward's reads fit the link's idle time (``IdleLink``: a link busy with the store's
-  own reads takes only the guesses it has time for);
+- while fewer than ``queue_bound`` reads wait (a busy link takes no more guesses);
 - into a host slot reserved for guesses (the host policy has that many fewer), free or holding
   a policy's victim or an older guess nobody used: a guess stays outside the host policy until
   a request uses it, so it never evicts a requested expert (moeswap.experts.guesses); with no
@@ -32,26 +30,20 @@ for, a chunk at a time (moeswap.experts.disk_reads): a guess fills the time betw
 last read and the next layer's routing, and a step's own read waits at most for one chunk.
 The store decides residency on its own thread (moeswap.experts.store).
 
-Above all of that, ``Throttle`` keeps prefetch from costing time: it times whole forwards with
-prefetch off, then on (a probe of ``PROBE_FORWARDS`` each, off first, so a run shorter than that
-never pays for prefetch), keeps it on only where on was at least ``MARGIN`` faster, and
-otherwise turns it off completely (no prediction, no reads) for ``RECHECK_FORWARDS`` forwards,
-doubling up to ``MAX_RECHECK`` while it keeps losing. The on arm is cut short, lost, after
-``EARLY_FORWARDS`` forwards if their median is not under the off arm's; at its end it is lost
-too if the store's thread spent longer on prefetch (predicting, handing reads over, waiting for
-them) than the load time it hid. (Not after the first forwards: the first guesses of each layer
-are only checked, not read, so a few forwards count the predictor's cost and little of what it
-hides.)
+Above all of that, ``Throttle`` keeps prefetch from costing time. It judges prefetch by the
+store's counts in windows of ``WINDOW_FORWARDS`` forwards, the first from the first forward: the
+read time of used guesses that nobody waited for, against the time the store's thread spent on
+prefetch (predicting, handing reads over, waiting for stale reads' chunks) plus the time step
+reads waited behind guess chunks. Where it hid less than that it is turned off completely (no
+prediction, no reads) for ``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it
+keeps losing. (A window is long enough that the first guesses of each layer, which are only
+checked, not read, weigh little.)
 
 Legend: N tokens, K picks per token, X experts of a layer.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +53,8 @@ from moeswap.experts.settings import PREDICTORS
 MIN_PRECISION = 0.5  # below it a wrong read costs more link time and evictions than hits save
 PRECISION_MEMORY = 0.1  # weight of the newest check in the running precision
 PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between probing reads
-PROBE_FORWARDS = 8  # timed forwards in each arm (on, off) of a throttle probe
-EARLY_FORWARDS = 3  # on-forwards after which a probe that is not paying is lost
-MARGIN = 0.03  # prefetch stays on only when its forwards' median is this much under off's
-RECHECK_FORWARDS = 256  # forwards between probes; doubled after each probe prefetch loses
+WINDOW_FORWARDS = 8  # forwards the throttle judges prefetch over
+RECHECK_FORWARDS = 256  # forwards prefetch stays off after a lost window; doubled each loss
 MAX_RECHECK = 4096
 
 
@@ -142,7 +132,8 @@ class PrefetchCounts:
     cancelled: int = 0  # stale reads dropped before they started
     wait_seconds: float = 0.0  # the store's thread waiting on a read already running
     cost_seconds: float = 0.0  # all the store's thread spent on prefetch: predicting, handing
-    # reads over, waiting (what the throttle weighs against hidden_seconds)
+    # reads over, waiting (with delay_seconds, what the throttle weighs against hidden_seconds)
+    delay_seconds: float = 0.0  # step reads waiting behind guess chunks in flight
     hidden_seconds: float = 0.0  # read time of used prefetches the store did not wait for
     uploads: int = 0  # guesses copied on to the device tier ahead of use (CUDA copy stream)
 
@@ -168,7 +159,6 @@ class Prefetcher:
         self.useful_now = {t: 1.0 for t in layers}  # running share of reads used, per target
         self._rounds_off = {t: 0 for t in layers}
         self.throttle = Throttle()
-        self.link = IdleLink()
 
     def pause(self) -> None:
         """The throttle turned prefetch off: guesses made so far will not be checked."""
@@ -178,6 +168,11 @@ class Prefetcher:
     def spent(self, seconds: float) -> None:
         """The store's thread spent this long on prefetch."""
         self.counts.cost_seconds += seconds
+        self.throttle.cost += seconds
+
+    def delayed(self, seconds: float) -> None:
+        """Step reads waited this long behind guess chunks."""
+        self.counts.delay_seconds += seconds
         self.throttle.cost += seconds
 
     def hid(self, seconds: float) -> None:
@@ -246,115 +241,60 @@ class Prefetcher:
                 "bytes_prefetched": c.bytes_prefetched, "used": c.used,
                 "bytes_wasted": c.bytes_wasted, "cancelled": c.cancelled,
                 "wait_seconds": c.wait_seconds, "hidden_seconds": c.hidden_seconds,
-                "cost_seconds": c.cost_seconds,
+                "cost_seconds": c.cost_seconds, "delay_seconds": c.delay_seconds,
                 "uploads": c.uploads, "adaptive": self.throttle.as_dict(),
-                "link_budget_bytes": self.link.per_forward,
                 "layers": {t: {d: {**a.as_dict(), "reads_enabled": a.enabled and
                                    self.useful_now[t] >= MIN_PRECISION}
                                for d, a in by_depth.items()}
                            for t, by_depth in self.accuracy.items()}}
 
 
-class IdleLink:
-    """How many bytes of guesses a forward may read: the link's idle time in recent forwards
-    run without prefetch (a forward's time less the store's stall in it), times the rate of
-    the store's own reads. A link that is busy anyway (stalls fill the forward) then takes
-    only the guesses it has time for, not a read that would delay a request's. Unlimited until
-    a forward without prefetch was timed and a read measured. The last read may overshoot."""
-
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self._idle: deque[float] = deque(maxlen=PROBE_FORWARDS)  # seconds, off forwards
-        self._last: tuple[float, float, int, bool] | None = None  # (start, stall so far,
-        # tokens, prefetch on) of the current forward
-        self.per_forward: float | None = None  # bytes a forward may read; None: unlimited
-        self._left = math.inf  # what the current forward may still read
-
-    def forward(self, n_tokens: int, stall_seconds: float, read_bytes: int,
-                read_seconds: float, on: bool) -> None:
-        """A forward of ``n_tokens`` starts; the store has stalled ``stall_seconds`` and read
-        ``read_bytes`` in ``read_seconds`` so far; ``on``: prefetch runs in this forward."""
-        now = self.clock()
-        if self._last is not None:
-            start, stall, tokens, was_on = self._last
-            if not was_on and tokens == n_tokens:  # a comparable forward without prefetch
-                self._idle.append(max(0.0, now - start - (stall_seconds - stall)))
-        self._last = (now, stall_seconds, n_tokens, on)
-        if self._idle and read_seconds > 0:
-            self.per_forward = statistics.median(self._idle) * read_bytes / read_seconds
-        self._left = math.inf if self.per_forward is None else self.per_forward
-
-    def allows(self) -> bool:
-        return self._left > 0
-
-    def spend(self, n_bytes: int) -> None:
-        self._left -= n_bytes
-
-
 class Throttle:
-    """Whether prefetch runs in the next forward, from the measured time of forwards with it on
-    and off. A probe runs ``PROBE_FORWARDS`` forwards off, then as many on; prefetch stays on
-    until the next probe only if the median on-forward was ``MARGIN`` faster than the median
-    off-forward. A forward's time is from its first MoE layer to the next forward's; forwards
-    whose token count differs from the next one's (a prefill, a batch changing) are not timed.
+    """Whether prefetch runs in the next forward, judged from the store's own counts, not from
+    timed forwards (on a disk whose rate drifts, forwards minutes apart differ by more than
+    prefetch gains). Prefetch runs in windows of ``WINDOW_FORWARDS`` forwards; at a window's
+    end it stays on for the next one only if the read time its used guesses hid (``hidden``)
+    exceeds what it cost (``cost``: the store's thread predicting, handing reads over and
+    waiting for stale ones, and the step reads' wait behind guess chunks). A lost window turns
+    it off, no prediction and no reads, for ``RECHECK_FORWARDS`` forwards, doubling up to
+    ``MAX_RECHECK`` while it keeps losing; then a window on again.
     """
 
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        self.on = False  # prefetch runs in the current forward; a probe starts off
-        self._times: dict[bool, list[float]] = {True: [], False: []}
-        self._probing = True
-        self._hold = 0  # forwards left before the next probe
-        self._pause = RECHECK_FORWARDS  # how long a lost probe turns prefetch off
-        self._last: tuple[float, int] | None = None  # (start, tokens) of the current forward
-        self.probes = self.probes_won = self.forwards_on = self.forwards_off = 0
-        self.medians: tuple[float, float] | None = None  # (on, off) seconds, last probe
-        self.cost = self.hidden = 0.0  # this probe: seconds prefetch took from / saved the store
+    def __init__(self):
+        self.on = True
+        self._left = WINDOW_FORWARDS  # forwards left in this window (on) or pause (off)
+        self._pause = RECHECK_FORWARDS  # how long the next lost window turns prefetch off
+        self.cost = self.hidden = 0.0  # this window: seconds prefetch took from / saved the store
+        self.windows = self.windows_won = self.forwards_on = self.forwards_off = 0
+        self.last: tuple[float, float] | None = None  # (hidden, cost) of the last window judged
 
-    def forward(self, n_tokens: int) -> bool:
-        """A forward of ``n_tokens`` starts -> whether prefetch runs in it."""
-        now = self.clock()
-        if self._probing and self._last is not None and self._last[1] == n_tokens:
-            self._times[self.on].append(now - self._last[0])
-        self._last = (now, n_tokens)
-        if self._probing:
-            self._probe_step()
-        elif self._hold > 0:
-            self._hold -= 1
-        else:  # the next probe: off first
-            self._probing, self.on = True, False
-            self._times = {True: [], False: []}
-            self.cost = self.hidden = 0.0
+    def forward(self) -> bool:
+        """A forward starts -> whether prefetch runs in it."""
+        if self._left == 0:
+            if self.on:
+                self._judge()
+            else:
+                self.on, self._left = True, WINDOW_FORWARDS
+        self._left -= 1
         if self.on:
             self.forwards_on += 1
         else:
             self.forwards_off += 1
         return self.on
 
-    def _probe_step(self) -> None:
-        if not self.on:
-            if len(self._times[False]) >= PROBE_FORWARDS:
-                self.on, self.cost, self.hidden = True, 0.0, 0.0  # the on arm
-            return
-        timed_on = len(self._times[True])
-        if timed_on < EARLY_FORWARDS:
-            return
-        on, off = (statistics.median(self._times[arm]) for arm in (True, False))
-        if on >= off:
-            self._decide(False, (on, off))
-        elif timed_on >= PROBE_FORWARDS:
-            self._decide(on < off * (1 - MARGIN) and self.cost <= self.hidden, (on, off))
-
-    def _decide(self, won: bool, medians: tuple[float, float]) -> None:
-        self.medians, self.probes, self._probing, self.on = medians, self.probes + 1, False, won
+    def _judge(self) -> None:
+        won = self.hidden > self.cost
+        self.windows, self.last = self.windows + 1, (self.hidden, self.cost)
+        self.cost = self.hidden = 0.0
         if won:
-            self.probes_won += 1
-            self._hold, self._pause = RECHECK_FORWARDS, RECHECK_FORWARDS
+            self.windows_won += 1
+            self._left, self._pause = WINDOW_FORWARDS, RECHECK_FORWARDS
         else:
-            self._hold, self._pause = self._pause, min(2 * self._pause, MAX_RECHECK)
+            self.on, self._left = False, self._pause
+            self._pause = min(2 * self._pause, MAX_RECHECK)
 
     def as_dict(self) -> dict:
-        on, off = self.medians or (0.0, 0.0)
-        return {"on_now": self.on, "probes": self.probes, "probes_won": self.probes_won,
+        hidden, cost = self.last or (0.0, 0.0)
+        return {"on_now": self.on, "windows": self.windows, "windows_won": self.windows_won,
                 "forwards_on": self.forwards_on, "forwards_off": self.forwards_off,
-                "probe_on_seconds": on, "probe_off_seconds": off}
+                "last_hidden_seconds": hidden, "last_cost_seconds": cost}

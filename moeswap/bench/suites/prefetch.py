@@ -117,7 +117,7 @@ def measure(model: str, setting: str, tokens: int, share: float, threads: int, l
     rt, builder = load_with_prefetch(model, share, predictor, depth, 64 + tokens, threads,
                                      cold=not simulated, replay=replay)
     if held_on and builder.store.lookahead.prefetch is not None:
-        builder.store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
+        builder.store.lookahead.prefetch.throttle.forward = lambda: True
     stats = GenerationStats()
     out = list(rt.generate(prompt, tokens, temperature=0, stats=stats))
     s = rt.stats()
@@ -201,7 +201,7 @@ def stress_run(model: str, name: str, steps: int, prompt: str, threads: int) -> 
     generation of 64 tokens."""
     rt, builder = load_with_prefetch(model, 0.10, name.split()[0], 4, 128, threads)
     if name.endswith("held on"):  # neither the throttle nor the precision rule stops it
-        builder.store.lookahead.prefetch.throttle.forward = lambda n_tokens: True
+        builder.store.lookahead.prefetch.throttle.forward = lambda: True
         builder.store.lookahead.prefetch._reads_wanted = lambda target, depth: True
     tokens, thread_counts, rss = [], [], []
     for generation in range(steps // 64):
