@@ -9,7 +9,7 @@ import pytest
 
 import moeswap
 from moeswap.bench.cgroup import MemoryCgroup, NoCgroup
-from moeswap.bench.memory_limits import floor_row, run_limits
+from moeswap.bench.memory_limits import _forwards_on, floor_row, run_limits
 from moeswap.experts.cost import Rates
 
 MiB = 1 << 20
@@ -79,6 +79,11 @@ def test_guesses_read_in_vain_are_not_part_of_the_floor():
     assert floor_row(run, 670e6, rates)["floor_tok_s"] == pytest.approx(2e9 / 200e6)
 
 
+def test_the_share_of_forwards_prefetch_ran_in_is_reported():
+    assert _forwards_on({"prefetch_forwards_on": 24, "prefetch_forwards_off": 8}) == "75%"
+    assert _forwards_on({"disk_misses": 3}) == "-"  # prefetch off: no throttle
+
+
 def test_runs_in_each_limit_and_skips_where_no_cgroup_can_be_made(tmp_path):
     root, own = fake_tree(tmp_path, "v1")
     model = str(moeswap.DEFAULT_MODEL)
@@ -96,7 +101,7 @@ def test_runs_in_each_limit_and_skips_where_no_cgroup_can_be_made(tmp_path):
     assert row["floor_tok_s"] == pytest.approx(1 / max(read / 3e9, computed / cached[1]))
     assert row["of_floor_cached_probe"] == pytest.approx(
         max(read / cached[0], computed / cached[1]) * row["decode_tok_s"])
-    assert "| 900 | moeswap |" in text and "| 3.00 |" in text
+    assert "| 900 | moeswap |" in text and "| 3.00 |" in text and text.count(" - |\n") == 1
     assert list((root / "memory" / "box").iterdir()) == []  # its cgroup removed
     json.dumps(body)
     none, text = run_limits(model, [900 * MiB], 1, [5, 6], 1, True, None, "off",

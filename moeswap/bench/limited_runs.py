@@ -75,7 +75,10 @@ def moeswap_run(model: str, threads: int, prompt: list[int], gen_tokens: int,
         return {**now.get("total", {}),
                 **({"disk_busy_seconds": disk["busy_seconds"], "disk_read_bytes": disk["bytes"]}
                    if disk else {}),
-                **({"guess_wasted_bytes": prefetch["bytes_wasted"]} if prefetch else {})}
+                **({"guess_wasted_bytes": prefetch["bytes_wasted"],
+                    "prefetch_forwards_on": prefetch["adaptive"]["forwards_on"],
+                    "prefetch_forwards_off": prefetch["adaptive"]["forwards_off"]}
+                   if prefetch else {})}
 
     run = _timed(MoeswapSession(runtime.model, len(prompt)), prompt, gen_tokens, counters)
     return {**run, "host_bytes": auto.host_bytes, "plan": auto.describe()}

@@ -168,12 +168,13 @@ def table(body: dict) -> str:
               f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
              ("| limit MiB | engine | decode tok/s | prompt tok/s | hit rate | misses/token | "
               "MiB read/token (guessed in vain) | cgroup peak MiB | failcnt | cold reads GB/s | "
-              "floor tok/s | of floor | of cached floor | disk busy | GB/s while busy |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "floor tok/s | of floor | of cached floor | disk busy | GB/s while busy | "
+              "prefetch on |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in body["rows"]:
         head = f"| {row['limit_bytes'] >> 20} | {row['engine']} |"
         if row["status"] != "ok":
-            lines.append(f"{head} {row['failure']}: {row['error']} |||||||||||||")
+            lines.append(f"{head} {row['failure']}: {row['error']} ||||||||||||||")
             continue
         counts = row.get("counts") or {}
         requests = counts.get("requests")
@@ -192,8 +193,17 @@ def table(body: dict) -> str:
             f"{row['floor_tok_s']:.2f} | {row['of_floor']:.0%} | "
             f"{row['of_floor_cached_probe']:.0%} | "
             + (f"{row['disk_busy']:.0%} | {row['busy_read_rate'] / 1e9:.2f} |"
-               if "disk_busy" in row else "- | - |"))
+               if "disk_busy" in row else "- | - |")
+            + f" {_forwards_on(counts)} |")
     return "\n".join(lines + [""] + [f"Note: {n}" for n in body["notes"]])
+
+
+def _forwards_on(counts: dict) -> str:
+    """The share of forwards the prefetch throttle ran prefetch in; - without prefetch."""
+    if "prefetch_forwards_on" not in counts:
+        return "-"
+    on, off = counts["prefetch_forwards_on"], counts["prefetch_forwards_off"]
+    return f"{on / (on + off):.0%}"
 
 
 def _mib(n: int | None) -> str:
