@@ -136,7 +136,8 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
                 # guesses stay outside the policies: they decide exactly as without prefetch
                 assert r.policies[tier].resident() == without.residency.policies[tier].resident()
             assert not set(r.guesses.slots) & set(r.slots["host"])
-            assert len(r.pools["host"].holder) == len(r.slots["host"]) + len(r.guesses.slots)
+            assert len(r.pools["host"].holder) == (len(r.slots["host"]) + len(r.guesses.slots)
+                                                   + len(r.guesses.draining))
     store.residency.guesses.settle_all()  # let reads in flight land, then check every slot's bytes
     held = [(tier, key, index) for tier in ("host", "device")
             for key, index in store.residency.slots[tier].items()]
@@ -152,8 +153,9 @@ def test_budgets_hold_and_guesses_never_evict_this_layers_experts(deep_mixtral, 
 
 def _gated_store(path, prefetch: str, depth: int):
     """A store with room for every expert whose guesses' reads are held at a gate (the first
-    chunk waits, every later guess queues up) until the store itself needs one, or stops one
-    that has started -> (store, gate, resident experts, MoE layers, experts per layer)."""
+    chunk waits, every later guess queues up) until the store itself needs one (a stopped
+    guess's chunk stays held, its slot draining) -> (store, gate, resident experts, MoE
+    layers, experts per layer)."""
     gguf = GGUFFile.open(path)
     fixed, slot, layers, n_experts = plan(path)
     kernels = CpuKernels(1)
@@ -167,18 +169,6 @@ def _gated_store(path, prefetch: str, depth: int):
     promote, wait = reads.promote, reads.wait  # were the store to need a held read, it gets it
     reads.promote = lambda job, landed: (gate.set(), promote(job, landed))[1]
     reads.wait = lambda job: (gate.set(), wait(job))[1]
-    stop = reads.stop
-
-    def stop_through_the_gate(job):  # a stopped guess's chunk in flight ends; none after it
-        running = job.state == "running"
-        if running:
-            gate.set()
-        stopped = stop(job)
-        if running:
-            gate.clear()
-        return stopped
-
-    reads.stop = stop_through_the_gate
     return store, gate, QuantResidentExperts(gguf, kernels, layers, "silu"), layers, n_experts
 
 
@@ -211,7 +201,12 @@ def test_stale_guesses_are_stopped_before_they_are_read(deep_mixtral):
     guessed = set(store.residency.guesses.slots)
     assert guessed == set(store.residency.guesses.reads) | store.residency.guesses.filled
     assert not {(job.layout.layer, job.expert) for job, _ in stopped} & guessed
+    guesses, pool = store.residency.guesses, store.residency.pools["host"]
+    draining = list(guesses.draining)  # stopped with a chunk in flight: slots not free yet
+    assert all(job.state == "running" and index in pool.holder for index, job in draining)
     gate.set()
+    guesses.settle_all()
+    assert not guesses.draining and all(index not in pool.holder for index, _ in draining)
     job = stopped[0][0]  # asked for later, it is read then, bit for bit
     ids = torch.tensor([[job.expert, (job.expert + 1) % n_experts]])
     out = store.run(job.layout.layer, x, ids, weights)

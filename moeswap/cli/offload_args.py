@@ -205,7 +205,8 @@ def prefetch_lines(s: dict, stalled: float) -> list[str]:
              f"{s['bytes_prefetched'] / 2**20:.1f} MiB read, {s['used']} used, "
              f"{s['bytes_wasted'] / 2**20:.1f} MiB wasted, {s['cancelled']} stale cancelled; "
              f"stalled {stalled:.2f} s (waiting on prefetch {s['wait_seconds']:.2f} s), "
-             f"without prefetch about {stalled + s['hidden_seconds']:.2f} s"]
+             f"without prefetch about {stalled + s['hidden_seconds']:.2f} s; prefetch cost "
+             f"{s['cost_seconds']:.2f} s, step reads behind guesses {s['delay_seconds']:.2f} s"]
     a = s["adaptive"]
     lines.append(f"prefetch throttle: on in {a['forwards_on']} forwards, off in "
                  f"{a['forwards_off']}; {a['windows_won']} of {a['windows']} windows kept it on"

@@ -14,12 +14,14 @@ kinds of work share them:
   between a layer's last read and the next layer's routing, when nothing else could be read.
   A step read that arrives meanwhile waits at most for the one chunk in flight. A guess the
   store asks for (``GuessRead.promote``) is read on at the step's priority, every reader at
-  once; a stale one is stopped at its next chunk (``stop``).
+  once; a stale one is stopped at its next chunk (``stop``, which does not wait for the chunk
+  in flight: the slot's owner frees the slot once the guess is cancelled).
 
 ``DiskReader.stats.seconds`` gets the wall time during which any of these reads ran (the link
-busy), so bytes over seconds stays the read rate with several reads at once. ``delay_seconds``
-is what guesses may have cost the step's reads: the time from a step read's arrival while a
-guess chunk ran to that chunk's end (the prefetch throttle weighs it).
+busy), so bytes over seconds stays the read rate with several reads at once. A guess's
+``delay_seconds`` is what it may cost the step's reads: what its chunk in flight at a step
+read's arrival had left to read, at the measured read rate (the prefetch throttle weighs it
+where the guess was not used).
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ class GuessRead:
         self.stopping = False  # stopped: the chunks in flight end it, cancelled
         self.error: BaseException | None = None
         self.read_bytes = 0  # chunks read so far (a stopped guess's wasted bytes)
+        self.delay_seconds = 0.0  # what its chunks had left to read when step reads came
+        self.idle_chunk: tuple[float, int] | None = None  # (start, bytes) of its chunk in
+        # flight read in the idle time (one at a time)
         self._on_landed: Callable[[GuessRead], None] | None = None
 
     def promote(self, on_landed: Callable[[GuessRead], None]) -> GuessRead:
@@ -126,10 +131,10 @@ class ParallelReads:
         self._running, self._since = 0, 0.0  # any read; since when the link is busy
         self._held = False
         self._stopping = False
-        self._idle_chunks = 0  # chunks in flight of guesses nobody had asked for at their start
-        self._delayed_since: float | None = None  # a step read came while such chunks ran
-        self.delay_seconds = 0.0  # how long step reads came while such chunks ran (each until
-        # the last of them ended: an upper bound on what guesses cost the step's reads)
+        self._idle_chunks: set[GuessRead] = set()  # guesses with a chunk in flight read in
+        # the idle time, not yet charged to a step read
+        self._chunk_bytes, self._chunk_seconds = 0, 0.0  # idle chunks read: the rate of a
+        # single read, which the step's several reads at once beat
 
     # the step's reads
 
@@ -143,8 +148,7 @@ class ParallelReads:
         with self._cv:
             self._start_threads()
             self._steps.extend((part, expert, target, 0, read) for part, target in pieces)
-            if self._idle_chunks and self._delayed_since is None:
-                self._delayed_since = time.perf_counter()
+            self._charge_idle_chunks()
             self._cv.notify_all()
         return read
 
@@ -166,7 +170,8 @@ class ParallelReads:
         with self._cv:
             self._start_threads()
             self._guesses.append(job)
-            self._cv.notify_all()
+            if not self._held:  # held: ``release`` wakes the readers
+                self._cv.notify()
         return job
 
     @property
@@ -192,8 +197,9 @@ class ParallelReads:
             return dropped
 
     def stop(self, job: GuessRead) -> bool:
-        """A guess nobody will ask for: its chunks not started are dropped and those in flight
-        waited for, so nothing writes into its slot after -> True; False if it was done."""
+        """A guess nobody will ask for: its chunks not started are dropped -> True, it will not
+        land (cancelled now, or when its chunks in flight end: until ``job.state`` says
+        cancelled they may still write into its slot); False if it was done."""
         with self._cv:
             if job.state in (DONE, CANCELLED):
                 return job.state == CANCELLED
@@ -201,9 +207,7 @@ class ParallelReads:
             job.stopping = True
             if not job.in_flight:
                 self._finish(job, CANCELLED)
-            while job.state == RUNNING:  # its last chunk in flight ends it
-                self._cv.wait()
-            return job.state == CANCELLED
+            return True
 
     def promote(self, job: GuessRead, on_landed: Callable[[GuessRead], None]) -> None:
         with self._cv:
@@ -263,9 +267,11 @@ class ParallelReads:
                 if task[0] == "step":
                     self._step_running += 1
                 else:
-                    job, idle_chunk = task[1], not task[1].urgent
+                    job = task[1]
                     job.in_flight += 1
-                    self._idle_chunks += idle_chunk
+                    if not job.urgent:
+                        job.idle_chunk = time.perf_counter(), task[2][1].nbytes
+                        self._idle_chunks.add(job)
                     if job.state == PENDING:
                         job.state = RUNNING
             if task[0] == "step":
@@ -277,8 +283,7 @@ class ParallelReads:
                 read.piece_done(error)
             else:
                 _, job, (part, target, at) = task
-                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at),
-                                       idle_chunk)
+                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at))
 
     def _read_chunk(self, job: GuessRead, part: ExpertPart, target: np.ndarray,
                     within: int) -> BaseException | None:
@@ -292,15 +297,16 @@ class ParallelReads:
             return e
         return None
 
-    def _guess_chunk_done(self, job: GuessRead, n_bytes: int, error: BaseException | None,
-                          idle_chunk: bool) -> None:
+    def _guess_chunk_done(self, job: GuessRead, n_bytes: int,
+                          error: BaseException | None) -> None:
         landed = None
         with self._cv:
             job.in_flight -= 1
-            self._idle_chunks -= idle_chunk
-            if not self._idle_chunks and self._delayed_since is not None:
-                self.delay_seconds += time.perf_counter() - self._delayed_since
-                self._delayed_since = None
+            self._idle_chunks.discard(job)
+            if job.idle_chunk is not None:
+                self._chunk_bytes += n_bytes
+                self._chunk_seconds += time.perf_counter() - job.idle_chunk[0]
+                job.idle_chunk = None
             job.read_bytes += n_bytes
             self._ended_read()
             if error is not None and job.error is None:
@@ -315,6 +321,32 @@ class ParallelReads:
             self._cv.notify_all()
         if landed is not None:
             landed(job)
+
+    def _charge_idle_chunks(self) -> None:
+        """Under the lock, a step read arriving: the bytes the idle chunks in flight have left
+        to read delay it (the disk reads them first or beside it), charged to their guesses
+        once, at the store's measured read rate."""
+        stats = self.disk.stats
+        if not stats.bytes:
+            return
+        for job in self._idle_chunks:
+            left = job.idle_chunk[1] - self._chunk_progress(job)
+            job.delay_seconds += left * stats.seconds / stats.bytes
+        self._idle_chunks.clear()
+
+    def _chunk_progress(self, job: GuessRead) -> int:
+        """Under the lock: bytes of its idle chunk in flight read by now, at the rate idle
+        chunks have been read."""
+        if job.idle_chunk is None:
+            return 0
+        started, n_bytes = job.idle_chunk
+        rate = self._chunk_bytes / self._chunk_seconds if self._chunk_seconds else 0.0
+        return min(n_bytes, int((time.perf_counter() - started) * rate))
+
+    def bytes_read(self, job: GuessRead) -> int:
+        """A guess's bytes read by now: its chunks landed and, estimated, its chunk in flight."""
+        with self._cv:
+            return job.read_bytes + self._chunk_progress(job)
 
     def _finish(self, job: GuessRead, state: str) -> None:
         """Under the lock."""

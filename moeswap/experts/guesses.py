@@ -15,8 +15,10 @@ while the throttle has prefetch off. A used guess the policy admits keeps its sl
 victim joins the reserve: the reserve stays whole.
 
 Guesses are read by the store's reader threads in the disk's idle time (moeswap.experts.
-disk_reads, ``ParallelReads.guess``), each only into the slot it was given. Before a guess's
-slot is freed its read is stopped (chunks in flight end first); a request for a guess still
+disk_reads, ``ParallelReads.guess``), each only into the slot it was given. A guess dropped
+while a chunk of it is in flight has its read stopped and its slot *draining*: neither a guess's
+nor free, until that chunk has landed (the store's thread does not wait for it unless a request
+needs the slot and none is free); a request for a guess still
 being read takes it over at the step's priority (``GuessRead.promote``), and the store computes
 it when it lands, as it would a miss's read.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from moeswap.experts.disk_reads import DONE, GuessRead, ParallelReads
+from moeswap.experts.disk_reads import CANCELLED, DONE, GuessRead, ParallelReads
 from moeswap.experts.prefetch import Prefetcher
 from moeswap.experts.stats import LayerStats
 from moeswap.experts.tiers import SlotPool
@@ -49,8 +51,12 @@ class HostGuesses:
         self.slots: OrderedDict[Key, int] = OrderedDict()  # guess -> its host slot, oldest first
         self.reads: dict[Key, GuessRead] = {}  # handed to the readers, not yet collected
         self.filled: set[Key] = set()  # guesses whose slot holds their bytes
-        self._unused: dict[Key, tuple[float, int]] = {}  # landed, not asked for yet: (read
-        # seconds nobody waited for, bytes)
+        self._unused: dict[Key, tuple[float, int, float]] = {}  # landed, not asked for yet:
+        # (read seconds nobody waited for, bytes, its delay of step reads)
+        self._stopped: dict[Key, GuessRead] = {}  # reads stopped with a chunk in flight, of
+        # guesses whose slots are not freed yet
+        self.draining: list[tuple[int, GuessRead]] = []  # (slot, its stopped read) until the
+        # read's last chunk lands
 
     def __contains__(self, key: Key) -> bool:
         return key in self.slots
@@ -69,6 +75,7 @@ class HostGuesses:
 
     def has_room(self, keep: set) -> bool:
         """Could a guess get a slot without touching ``keep``?"""
+        self._reclaim()
         return self.pool.n_free > 0 or any(k not in keep for k in self.slots)
 
     def queue_full(self) -> bool:
@@ -77,11 +84,14 @@ class HostGuesses:
     def reserve(self, key: Key, layout: ExpertLayout, keep: set) -> bool:
         """A slot for a new guess: a free one, else the first to go not in ``keep`` (kept
         experts, then unused reads) -> whether it got one (its read is then queued)."""
+        self._reclaim()
         if not self.pool.n_free:
             victim = self._first_to_go(keep)
             if victim is None:
                 return False
             self.drop(victim)
+            if not self.pool.n_free:  # its read was stopped with a chunk in flight
+                return False
         index = self.pool.take(key)
         self.slots[key] = index
         self.reads[key] = self.worker.guess(layout, key[1], self.pool.slot(index))
@@ -93,6 +103,7 @@ class HostGuesses:
         that it does not need (stale guesses: their slots are freed). Landed guesses for those
         layers were wrong: counted wasted, they stay as kept experts (the first to go; asked
         for later, a host hit)."""
+        self._reclaim()
         for key, job in list(self.reads.items()):
             if job.state == DONE:
                 del self.reads[key]
@@ -111,12 +122,12 @@ class HostGuesses:
             self.prefetch.read_outcome(key[0], used=True)
             self.prefetch.counts.used += 1
             self.prefetch.counts.bytes_prefetched += job.n_bytes
-            self.prefetch.hid(self._read_time(job.read_bytes))
+            self.prefetch.hid(self._read_time(self.worker.bytes_read(job)))
             return self.slots.pop(key), False, job
         if job is not None:
             self._land(key, job)
         if key in self._unused:
-            hidden, _ = self._unused.pop(key)
+            hidden, _, _ = self._unused.pop(key)
             self.prefetch.read_outcome(key[0], used=True)
             self.prefetch.counts.used += 1
             self.prefetch.hid(hidden)
@@ -131,9 +142,24 @@ class HostGuesses:
         self.filled.add(key)
 
     def make_room(self, keep: set) -> None:
-        """A request's admission needs a slot and none is free: the first guess to go not in
-        ``keep`` (else the oldest) leaves."""
-        self.drop(self._first_to_go(keep) or next(iter(self.slots)))
+        """A request's admission needs a slot and none is free: a draining slot once its chunk
+        lands, or the first guess to go not in ``keep`` (else the oldest) leaves; a kept
+        expert or a landed guess before a read is stopped, a draining slot waited for before
+        another read is stopped."""
+        self._reclaim()
+        victim = self._first_to_go(keep) or next(iter(self.slots), None)
+        if not self.pool.n_free and victim is not None and \
+                (victim not in self.reads or not self.draining):
+            self.drop(victim)
+        while not self.pool.n_free:  # a stopped read's chunk in flight lands first
+            job = self.draining[0][1]
+            started = time.perf_counter()
+            self.worker.wait(job)
+            waited = time.perf_counter() - started
+            self.layer_stats[job.layout.layer].stall_seconds += waited
+            self.prefetch.counts.wait_seconds += waited
+            self.prefetch.spent(waited)
+            self._reclaim()
 
     def _first_to_go(self, keep: set) -> Key | None:
         """Kept experts (victims, used guesses not admitted, guesses whose layer passed) before
@@ -152,9 +178,10 @@ class HostGuesses:
 
     def _wasted(self, key: Key) -> None:
         """A landed guess will not be used for the layer it was read for."""
-        _, wasted = self._unused.pop(key)
+        _, wasted, delay = self._unused.pop(key)
         self.prefetch.read_outcome(key[0], used=False)
         self.prefetch.counts.bytes_wasted += wasted
+        self.prefetch.delayed(delay)
 
     def pause(self) -> None:
         """Prefetch turns off: reads not started are dropped with their slots; a running one
@@ -171,6 +198,9 @@ class HostGuesses:
             self.worker.wait(job)
             del self.reads[key]
             self._land(key, job)
+        for _, job in self.draining:
+            self.worker.wait(job)
+        self._reclaim()
 
     def _settle(self, key: Key) -> bool:
         """A guess nobody asks for now: its read stopped (what it read is wasted) -> True; or,
@@ -178,26 +208,37 @@ class HostGuesses:
         job = self.reads.pop(key, None)
         if job is None:
             return False
-        started = time.perf_counter()
-        stopped = self.worker.stop(job)
-        waited = time.perf_counter() - started  # for its chunk in flight
-        self.layer_stats[key[0]].stall_seconds += waited
-        self.prefetch.counts.wait_seconds += waited
-        self.prefetch.spent(waited)
-        if stopped:
-            self.prefetch.counts.cancelled += 1
-            self.prefetch.counts.bytes_prefetched += job.read_bytes
-            self.prefetch.counts.bytes_wasted += job.read_bytes
-            return True
-        self._land(key, job)
-        return False
+        if not self.worker.stop(job):
+            self._land(key, job)
+            return False
+        self.prefetch.counts.cancelled += 1
+        if job.state == CANCELLED:
+            self._count_wasted(job)
+        else:  # a chunk in flight: its slot drains when freed
+            self._stopped[key] = job
+        return True
+
+    def _count_wasted(self, job: GuessRead) -> None:
+        """A stopped guess's read has ended: all it read, and its delay of step reads, was in
+        vain."""
+        self.prefetch.counts.bytes_prefetched += job.read_bytes
+        self.prefetch.counts.bytes_wasted += job.read_bytes
+        self.prefetch.delayed(job.delay_seconds)
+
+    def _reclaim(self) -> None:
+        """Free the draining slots whose stopped read's last chunk has landed."""
+        for index, job in [d for d in self.draining if d[1].state == CANCELLED]:
+            self.draining.remove((index, job))
+            self._count_wasted(job)
+            self.pool.release(index)
 
     def _land(self, key: Key, job: GuessRead) -> None:
         if job.error is not None:  # the slot stays unfilled: a request reads it (and reports)
             return
         self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
         self.filled.add(key)
-        self._unused[key] = (self._read_time(job.layout.expert_bytes), job.layout.expert_bytes)
+        self._unused[key] = (self._read_time(job.layout.expert_bytes), job.layout.expert_bytes,
+                             job.delay_seconds)
 
     def _read_time(self, n_bytes: int) -> float:
         """What reading ``n_bytes`` takes at the store's measured read rate (a guess's own wall
@@ -208,4 +249,8 @@ class HostGuesses:
     def _forget(self, key: Key) -> None:
         self.filled.discard(key)
         self._unused.pop(key, None)
-        self.pool.release(self.slots.pop(key))
+        index, stopped = self.slots.pop(key), self._stopped.pop(key, None)
+        if stopped is None:
+            self.pool.release(index)
+        else:
+            self.draining.append((index, stopped))

@@ -30,7 +30,6 @@ class Lookahead:
                                                r.layer_stats)
         self._to_upload: set[Key] = set()  # device guesses waiting for their read
         self._on = False  # the throttle's word for the current forward
-        self._delay_seen = 0.0  # the readers' delay_seconds already handed to the throttle
 
     def before_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
         """x [N, D], ids [N, K]: a layer step is about to run; guess ahead if the throttle
@@ -43,12 +42,8 @@ class Lookahead:
             self.prefetch.spent(time.perf_counter() - started)
 
     def _running(self, layer: int) -> bool:
-        """The throttle decides at each forward's first MoE layer, for the whole forward, with
-        the step reads' delay behind guesses in the forward before counted."""
+        """The throttle decides at each forward's first MoE layer, for the whole forward."""
         if layer == self.first_layer:
-            delay = self.residency.reads.delay_seconds
-            self.prefetch.delayed(delay - self._delay_seen)
-            self._delay_seen = delay
             was, self._on = self._on, self.prefetch.throttle.forward()
             if was and not self._on:
                 self.guesses.pause()

@@ -33,8 +33,8 @@ The store decides residency on its own thread (moeswap.experts.store).
 Above all of that, ``Throttle`` keeps prefetch from costing time. It judges prefetch by the
 store's counts in windows of ``WINDOW_FORWARDS`` forwards, the first from the first forward: the
 read time of used guesses that nobody waited for, against the time the store's thread spent on
-prefetch (predicting, handing reads over, waiting for stale reads' chunks) plus the time step
-reads waited behind guess chunks. Where it hid less than that it is turned off completely (no
+prefetch (predicting, handing reads over, waiting for stale reads' chunks) plus what the chunks
+of guesses that were not used had left to read when step reads came. Where it hid less than that it is turned off completely (no
 prediction, no reads) for ``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it
 keeps losing. (A window is long enough that the first guesses of each layer, which are only
 checked, not read, weigh little.)
@@ -44,6 +44,7 @@ Legend: N tokens, K picks per token, X experts of a layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +134,7 @@ class PrefetchCounts:
     wait_seconds: float = 0.0  # the store's thread waiting on a read already running
     cost_seconds: float = 0.0  # all the store's thread spent on prefetch: predicting, handing
     # reads over, waiting (with delay_seconds, what the throttle weighs against hidden_seconds)
-    delay_seconds: float = 0.0  # step reads waiting behind guess chunks in flight
+    delay_seconds: float = 0.0  # step reads waiting behind chunks of guesses not used
     hidden_seconds: float = 0.0  # read time of used prefetches the store did not wait for
     uploads: int = 0  # guesses copied on to the device tier ahead of use (CUDA copy stream)
 
@@ -171,7 +172,7 @@ class Prefetcher:
         self.throttle.cost += seconds
 
     def delayed(self, seconds: float) -> None:
-        """Step reads waited this long behind guess chunks."""
+        """Step reads waited this long behind the chunks of a guess that was not used."""
         self.counts.delay_seconds += seconds
         self.throttle.cost += seconds
 
@@ -216,24 +217,33 @@ class Prefetcher:
         remembered for checking when its target runs, read or not."""
         at, predicted = self.layers.index(layer), []
         for depth, target in enumerate(self.layers[at + 1:at + 1 + self.depth], start=1):
-            scores = self._scores(layer, target, x, ids, depth)  # [N, X]
-            top = torch.topk(scores, self.top_k, dim=-1)
-            best: dict[int, float] = {}
-            for expert, score in zip(top.indices.flatten().tolist(), top.values.flatten().tolist()):
-                best[expert] = max(score, best.get(expert, 0.0))
-            chosen = sorted((e for e in best if best[e] > 0), key=lambda e: -best[e])[:self.cap]
+            chosen = self._best(self._scores(layer, target, x, ids, depth))
             self._pending.setdefault(target, {})[depth] = set(chosen)
             predicted.append((depth, target, chosen))
         return predicted
 
+    def _best(self, scores: torch.Tensor) -> list[int]:
+        """scores [N, X] -> the union of each token's top-k experts, best first (an expert's
+        best score across tokens), at most ``cap``; experts history gives 0 are left out."""
+        top = torch.topk(scores, self.top_k, dim=-1)
+        seen = (lambda score: True) if self.mode == "gate" else (lambda score: score > 0)
+        if scores.shape[0] == 1:  # decode: one token's picks, already best first
+            return [e for e, v in zip(top.indices[0].tolist(), top.values[0].tolist()) if seen(v)]
+        best: dict[int, float] = {}
+        for expert, score in zip(top.indices.flatten().tolist(), top.values.flatten().tolist()):
+            best[expert] = max(score, best.get(expert, -math.inf))
+        return sorted((e for e in best if seen(best[e])), key=lambda e: -best[e])[:self.cap]
+
     def _scores(self, layer: int, target: int, x: torch.Tensor, ids: torch.Tensor,
                 depth: int) -> torch.Tensor:
+        """[N, X], higher is likelier; gate alone: the router's logits (its softmax ranks the
+        same), others probabilities, 0 where history never saw a pick."""
         if self.mode == "history":
             return self.history.scores(layer, ids, depth)
-        gate = torch.softmax(self.routers[target].logits(x), dim=-1)  # [N, X]
+        logits = self.routers[target].logits(x)  # [N, X]
         if self.mode == "gate":
-            return gate
-        return (gate + self.history.scores(layer, ids, depth)) / 2
+            return logits
+        return (torch.softmax(logits, dim=-1) + self.history.scores(layer, ids, depth)) / 2
 
     def as_dict(self) -> dict:
         c = self.counts
@@ -255,7 +265,7 @@ class Throttle:
     prefetch gains). Prefetch runs in windows of ``WINDOW_FORWARDS`` forwards; at a window's
     end it stays on for the next one only if the read time its used guesses hid (``hidden``)
     exceeds what it cost (``cost``: the store's thread predicting, handing reads over and
-    waiting for stale ones, and the step reads' wait behind guess chunks). A lost window turns
+    waiting for stale ones, and the step reads' wait behind chunks of guesses not used). A lost window turns
     it off, no prediction and no reads, for ``RECHECK_FORWARDS`` forwards, doubling up to
     ``MAX_RECHECK`` while it keeps losing; then a window on again.
     """
