@@ -84,16 +84,17 @@ def test_a_guess_never_evicts_a_requested_expert(deep_mixtral):
 def test_an_unused_guess_is_the_first_evicted(deep_mixtral):
     store, resident, _ = _fixed_guess_store(deep_mixtral, {0: [(2, 5), (2, 6), (3, 7)]})
     r, prefetch = store.residency, store.lookahead.prefetch
-    _step(store, resident, 0, [0, 1])  # three guesses take three free slots; (0, 0) the fourth
-    # (0, 1) needs a slot: the oldest guess gives its own, nothing requested is touched
-    assert list(r.guesses.slots) == [(2, 6), (3, 7)]
+    # the requests take two slots; once their reads are issued two guesses take the free two,
+    # and the third finds none: guesses never touch a requested expert
+    _step(store, resident, 0, [0, 1])
+    assert list(r.guesses.slots) == [(2, 5), (2, 6)]
     assert r.policies["host"].resident() == set(r.slots["host"]) == {(0, 0), (0, 1)}
-    _step(store, resident, 1, [0, 1])  # the two other guesses go, oldest first
+    _step(store, resident, 1, [0, 1])  # the requests need their slots: the unused guesses go
     assert not r.guesses.slots
     assert r.policies["host"].resident() == {(0, 0), (0, 1), (1, 0), (1, 1)}
     counts = prefetch.counts
-    assert (counts.reads, counts.used, counts.cancelled) == (3, 0, 0)
-    assert counts.bytes_wasted == sum(store.layouts[layer].expert_bytes for layer in (2, 2, 3))
+    assert (counts.reads, counts.used, counts.cancelled) == (2, 0, 0)
+    assert counts.bytes_wasted == 2 * store.layouts[2].expert_bytes
     assert prefetch.useful_now[2] < 1.0  # the reads' uselessness is noted per target
     store.close()
 

@@ -30,15 +30,32 @@ class Lookahead:
                                                r.layer_stats)
         self._to_upload: set[Key] = set()  # device guesses waiting for their read
         self._on = False  # the throttle's word for the current forward
+        self._step: tuple[int, torch.Tensor, torch.Tensor] | None = None  # the step whose
+        # reads are being issued, if it guesses ahead: (layer, x [N, D], ids [N, K])
+        residency.step.issued = self.reads_issued
 
     def before_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """x [N, D], ids [N, K]: a layer step is about to run; guess ahead if the throttle
-        lets prefetch run in this forward (counting the time it takes). No guess starts
-        reading before the step has issued its own reads (moeswap.experts.step_reads)."""
+        """x [N, D], ids [N, K]: a layer step is about to run. No guess starts reading until
+        the step has issued its own reads (``reads_issued``); if the throttle lets prefetch
+        run in this forward, the guesses made for this layer are checked and stale ones
+        stopped now, and the next layers' are made once the step's reads are issued, while
+        the disk is busy with them (counting the time both take)."""
         self.residency.reads.hold()
+        self._step = None
         if self._running(layer):
             started = time.perf_counter()
-            self.ahead(layer, x, ids)
+            self.check(layer, ids)
+            self._step = layer, x, ids
+            self.prefetch.spent(time.perf_counter() - started)
+
+    def reads_issued(self) -> None:
+        """The step's reads are issued (moeswap.experts.step_reads): guesses may read in the
+        disk's idle time; the next layers' are made now."""
+        self.residency.reads.release()
+        if self._step is not None:
+            started = time.perf_counter()
+            self.ahead(*self._step)
+            self._step = None
             self.prefetch.spent(time.perf_counter() - started)
 
     def _running(self, layer: int) -> bool:
@@ -51,15 +68,18 @@ class Lookahead:
                 self.prefetch.pause()
         return self._on
 
+    def check(self, layer: int, ids: torch.Tensor) -> None:
+        """Before a layer step: check the guesses made for it against ids [N, K]; stop and
+        drop the reads it does not need."""
+        self.prefetch.observe(layer, ids)
+        self.guesses.collect(layer, {(layer, e) for e in ids.flatten().tolist()})
+
     def ahead(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> None:
-        """Before a layer step: check the guesses made for it, drop stale reads, then give the
-        next layers' guesses free host slots (or those of kept victims, then of older unused
-        guesses) and hand their reads to the worker in one batch. With no such slot, nothing is
-        predicted."""
+        """During a layer step: give the next layers' guesses free host slots (or those of
+        kept victims, then of older unused guesses) and hand their reads to the readers. With
+        no such slot, nothing is predicted."""
         r = self.residency
         needed = {(layer, e) for e in ids.flatten().tolist()}
-        self.prefetch.observe(layer, ids)
-        self.guesses.collect(layer, needed)
         device_ahead = r.on_torch_device and r.pools["device"].n_slots
         if not (self.guesses.has_room(needed) or device_ahead):
             return

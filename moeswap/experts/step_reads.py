@@ -54,6 +54,8 @@ class StepReads:
         self.downs: dict[Key, tuple[int, ExpertRead]] = {}  # down halves issued: (slot, read)
         self._landed: queue.SimpleQueue[ExpertRead] = queue.SimpleQueue()
         self.landed = self._landed.put  # what a read calls when its bytes are in
+        self.issued = lambda: None  # called once the step's reads are issued (prefetch,
+        # moeswap.experts.lookahead: guesses may read then, and the next ones are made)
 
     def start(self, layer: int, experts: list[int]) -> None:
         r = self.r
@@ -90,7 +92,7 @@ class StepReads:
         later miss may take a ring or device slot an earlier one used)."""
         serve = self.r.serve
         if not self.r.overlapped:
-            self.r.reads.release()
+            self.issued()
             for expert, n_tokens in requests:
                 stats.requests += 1
                 yield expert, serve(self.layer, expert, n_tokens, stats)
@@ -102,7 +104,7 @@ class StepReads:
             stats.requests += 1
             places.append((expert, serve(self.layer, expert, n_tokens, stats)))
         self._issue_downs()
-        self.r.reads.release()  # the step's reads are issued: guesses may use the idle disk
+        self.issued()
         for expert, place in places:
             filling = self.pending.pop((self.layer, expert), None)
             if filling is not None:
