@@ -1,6 +1,5 @@
 """The miss path's reads: O_DIRECT with aligned bounce edges, its per-file fallback, several reads
-in flight, each expert read once per step, misses computed after the step's held experts, a
-miss's down half read behind the step's first halves."""
+in flight, each expert read once per step, misses computed after the step's held experts."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from test_expert_store import decode_logits, store_model
 from moeswap.errors import MoeswapError
 from moeswap.experts.direct_io import BOUNCE_BYTES, DIRECT_ALIGNMENT, ModelFile
 from moeswap.experts.disk_reads import ParallelReads
-from moeswap.experts.step_reads import down_half
 from moeswap.experts.tiers import DiskReader, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -217,35 +215,3 @@ def test_held_experts_compute_while_the_steps_misses_are_read(mixtral_file):
     assert [e for e, _ in rest] == [missing[0]]
     down = r.step.second_pass(dict([first, *rest]), stats)
     assert sorted(e for e, _ in down) == sorted([held[0], missing[0]])
-
-
-def test_a_misss_down_half_is_read_behind_every_first_half_and_computed_when_it_lands(
-        mixtral_file):
-    model, factory = store_model(mixtral_file, 3, cold_reads=True, prefetch="off", read_depth=1)
-    decode_logits(model)
-    r = factory.store.residency
-    layer = next(iter(r.layouts))
-    missing = [e for e in range(r.layouts[layer].n_experts) if (layer, e) not in r.slots["host"]]
-    down = down_half(r.layouts[layer])
-    release, log = threading.Event(), []
-    read_piece = r.disk.read_piece
-
-    def held_downs(part, expert, target, within=0):
-        log.append((expert, part in down))
-        if part in down:
-            assert release.wait(60)
-        read_piece(part, expert, target, within)
-
-    r.disk.read_piece = held_downs
-    r.step.start(layer, missing[:2])
-    stats = r.layer_stats[layer]
-    first = list(r.step.first_pass([(e, 1) for e in missing[:2]], stats))  # downs held
-    assert sorted(e for e, _ in first) == missing[:2]
-    assert all(place[0] == "host" and r.step.down_pending(e, place) for e, place in first)
-    release.set()
-    second = list(r.step.second_pass(dict(first), stats))
-    assert sorted(e for e, _ in second) == missing[:2]
-    is_down = [d for _, d in log]
-    assert is_down == sorted(is_down) and sum(is_down) == 2 * len(down)  # downs after all firsts
-    assert sorted(log) == sorted((e, part in down) for e in missing[:2]
-                                 for part in r.layouts[layer].parts)  # each piece once

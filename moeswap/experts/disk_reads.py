@@ -71,9 +71,6 @@ class ExpertRead:
     def wait(self) -> None:
         self._landed.wait()
 
-    def landed(self) -> bool:
-        return self._landed.is_set()
-
     def result(self) -> None:
         self.wait()
         if self._error is not None:

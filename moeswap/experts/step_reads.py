@@ -9,12 +9,6 @@ staging ring by the store's passes. The store then walks
    so the resident experts compute while the misses are read;
 2. ``second_pass``: the same for the down projections.
 
-A miss read into its host slot is read in two halves: its gate/up pieces when it is served, its
-down pieces (``down_half``) once every miss of the step has its first half issued. The first
-pass yields it when its first half is in, so the store computes its activation while the down
-matrices are read (the step's last miss then leaves only its down product to compute after the
-disk is done), and the second pass yields it when its down half is in.
-
 No expert is read twice in a step. When the step's misses fit the ring, a staged expert is
 read whole in the first pass and its slot kept for the second. When more misses than ring
 slots come (prefill with small budgets), the ring streams: the first pass reads every piece
@@ -50,8 +44,6 @@ class StepReads:
         # since a slot can change hands within a step (more experts than host slots)
         self.pending: dict[Key, tuple[int, ExpertRead]] = {}
         self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
-        self._downs_later: dict[Key, int] = {}  # misses whose down half waits to be issued
-        self.downs: dict[Key, tuple[int, ExpertRead]] = {}  # down halves issued: (slot, read)
         self._landed: queue.SimpleQueue[ExpertRead] = queue.SimpleQueue()
         self.landed = self._landed.put  # what a read calls when its bytes are in
         self.issued = lambda: None  # called once the step's reads are issued (prefetch,
@@ -59,9 +51,7 @@ class StepReads:
 
     def start(self, layer: int, experts: list[int]) -> None:
         r = self.r
-        for _, read in self.downs.values():  # landed, unless an error cut a step short: then
-            read.wait()                       # none may write into a slot this step reuses
-        self.layer, self.pending, self.downs, self._downs_later = layer, {}, {}, {}
+        self.layer, self.pending = layer, {}
         r.step_keys = {(layer, e) for e in experts}
         misses = sum(not r.holds(key) for key in r.step_keys)
         self.split = r.overlapped and misses > r.staging.n_slots
@@ -77,10 +67,7 @@ class StepReads:
                 if taken == index:  # evicted within the step, its read in flight: it lands first
                     read.wait()
                     del self.pending[other]
-                    self._downs_later.pop(other, None)
-            self.pending[key] = index, r.reads.submit(layout, key[1], slot,
-                                                      first_half(layout), self.landed)
-            self._downs_later[key] = index
+            self.pending[key] = index, r.reads.submit(layout, key[1], slot, None, self.landed)
             return
         before = r.disk.stats.seconds
         r.disk.read_expert(layout, key[1], slot)
@@ -103,7 +90,6 @@ class StepReads:
         for expert, n_tokens in requests:
             stats.requests += 1
             places.append((expert, serve(self.layer, expert, n_tokens, stats)))
-        self._issue_downs()
         self.issued()
         for expert, place in places:
             filling = self.pending.pop((self.layer, expert), None)
@@ -113,39 +99,20 @@ class StepReads:
                 staged.append(expert)
             else:
                 yield expert, place
-        parts = first_half(self.r.layouts[self.layer]) if self.split else None
+        layout = self.r.layouts[self.layer]
+        parts = [p for p in layout.parts if p not in _down_half(layout)] if self.split else None
         yield from self._stream(waiting, staged, parts, stats)
 
-    def _issue_downs(self) -> None:
-        """Read the down halves of the step's misses, behind every first half."""
-        r = self.r
-        for key, index in self._downs_later.items():
-            read = r.reads.submit(r.layouts[key[0]], key[1], r.pools["host"].slot(index),
-                                  down_half(r.layouts[key[0]]), self.landed)
-            self.downs[key] = index, read
-        self._downs_later = {}
-
-    def down_pending(self, expert: int, place: Place) -> bool:
-        """Whether the expert at ``place`` is a miss whose down half is read apart: the store
-        then computes it in halves, the second from ``second_pass``."""
-        down = self.downs.get((self.layer, expert))
-        return down is not None and place == ("host", down[0])
-
     def second_pass(self, places: dict[int, Place], stats: LayerStats):
-        """-> (expert, place) for the down products: the experts held in slots, then misses'
-        down halves and streamed misses' down matrices as they land."""
-        staged, waiting = [], {}
+        """-> (expert, place) for the down products; streamed misses' down matrices as they
+        land, after the experts held in slots."""
+        staged = []
         for expert, place in list(places.items()):
-            down = self.downs[(self.layer, expert)][1] if self.down_pending(expert, place) else None
-            if down is not None and not down.landed():
-                waiting[down] = expert, place
-            elif self.split and place[0] == "staging":
+            if self.split and place[0] == "staging":
                 staged.append(expert)
             else:
-                if down is not None:  # in already (the first pass saw it land)
-                    self._check(down, expert, place)
                 yield expert, self.r.still_held((self.layer, expert), place, stats)
-        yield from self._stream(waiting, staged, down_half(self.r.layouts[self.layer]), stats)
+        yield from self._stream({}, staged, _down_half(self.r.layouts[self.layer]), stats)
 
     def _stream(self, waiting: dict[ExpertRead, tuple[int, Place]], staged: list[int],
                 parts: list[ExpertPart] | None, stats: LayerStats):
@@ -165,10 +132,15 @@ class StepReads:
                 started = time.perf_counter()
                 read = self._landed.get()
                 stats.stall_seconds += time.perf_counter() - started
-                if read not in waiting:  # a down half landing in the first pass, or left
-                    continue             # over from a step an error cut short
+                if read not in waiting:  # left over from a step an error cut short
+                    continue
                 expert, place = waiting.pop(read)
-                self._check(read, expert, place)
+                try:
+                    read.result()
+                except BaseException:
+                    if place[0] == "host":
+                        self.unfilled.add((layer, expert))
+                    raise
                 yield expert, place
                 if self.split and place[0] == "staging":
                     free.append(place[1])  # its products are done: the next miss may land
@@ -176,23 +148,8 @@ class StepReads:
             for read in waiting:
                 read.wait()
 
-    def _check(self, read: ExpertRead, expert: int, place: Place) -> None:
-        """Raise a landed read's error; a host slot it failed to fill is read again later."""
-        try:
-            read.result()
-        except BaseException:
-            if place[0] == "host":
-                self.unfilled.add((self.layer, expert))
-            raise
 
-
-def first_half(layout: ExpertLayout) -> list[ExpertPart]:
-    """The pieces an expert's activation needs: all but ``down_half``'s."""
-    down = down_half(layout)
-    return [part for part in layout.parts if part not in down]
-
-
-def down_half(layout: ExpertLayout) -> list[ExpertPart]:
+def _down_half(layout: ExpertLayout) -> list[ExpertPart]:
     """The pieces the second half of an expert's graph reads (moeswap.quant.moe_graph,
     ``MoeFfn.finish``): the down matrix, its bias and the output scale."""
     return [layout.matrices["down"],

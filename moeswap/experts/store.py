@@ -109,14 +109,11 @@ class ExpertStore:
                picks_of: dict[int, torch.Tensor], step: _Step, stats: LayerStats) -> None:
         """Each expert's whole feed-forward once its bytes are in: the hits together, one graph
         per pool, as soon as the last of them is served (before any miss's read is waited
-        for); then each miss as it lands, in halves where its down matrices are read apart
-        (its activation while they are read, its down product when they land). Without overlap
-        (device slots) each expert is computed as it is served: a later one may take the slot
-        an earlier one used."""
+        for); then each miss as it lands. Without overlap (device slots) each expert is
+        computed as it is served: a later one may take the slot an earlier one used."""
         r = self.residency
         hits = {e for e, _ in requests if r.ready((layer, e))} if r.overlapped else set()
         batch: list[tuple[int, tuple[str, int]]] = []
-        hidden, places = {}, {}  # misses computed in halves: activations, places
         for expert, place in r.step.first_pass(requests, stats):
             if expert in hits:
                 batch.append((expert, place))
@@ -125,16 +122,10 @@ class ExpertStore:
                     continue
             else:  # one evicted meanwhile (more experts than slots) is read again
                 place = r.still_held((layer, expert), place, stats)
-                if r.step.down_pending(expert, place):
-                    places[expert] = place
-                    hidden[expert] = self._hidden(layer, place, picks_of[expert], step)
-                else:
-                    self._compute(layer, place[0], [(place[1], picks_of[expert])], step)
+                self._compute(layer, place[0], [(place[1], picks_of[expert])], step)
             self._compute_hits(layer, batch, picks_of, step, stats)
             batch = []
         self._compute_hits(layer, batch, picks_of, step, stats)
-        for expert, place in r.step.second_pass(places, stats):
-            self._finish(layer, place, picks_of[expert], hidden.pop(expert), step)
 
     def _compute_hits(self, layer: int, batch: list[tuple[int, tuple[str, int]]],
                       picks_of: dict[int, torch.Tensor], step: _Step,
@@ -160,24 +151,14 @@ class ExpertStore:
         for expert, place in r.step.first_pass(requests, stats):
             # one evicted meanwhile (more experts than slots) is read again
             places[expert] = place = r.still_held((layer, expert), place, stats)
-            hidden[expert] = self._hidden(layer, place, picks_of[expert], step)
+            ffn = self._ffn(layer, place[0])
+            hidden[expert] = [ffn.hidden(step.rows(picks), _slots(picks, place[1]))
+                              for picks in step.pieces(picks_of[expert])]  # [p, 1, F] each
         for expert, place in r.step.second_pass(places, stats):
-            self._finish(layer, place, picks_of[expert], hidden.pop(expert), step)
-
-    def _hidden(self, layer: int, place: tuple[str, int], picks: torch.Tensor,
-                step: _Step) -> list[torch.Tensor]:
-        """An expert's activations for its picks, a tensor [p, 1, F] per token group."""
-        ffn = self._ffn(layer, place[0])
-        return [ffn.hidden(step.rows(piece), _slots(piece, place[1]))
-                for piece in step.pieces(picks)]
-
-    def _finish(self, layer: int, place: tuple[str, int], picks: torch.Tensor,
-                hidden: list[torch.Tensor], step: _Step) -> None:
-        """The down product of ``_hidden``'s activations, weighted, into ``step.picked``."""
-        ffn = self._ffn(layer, place[0])
-        for piece, h in zip(step.pieces(picks), hidden):
-            step.picked[piece] = ffn.finish(h, _slots(piece, place[1]),
-                                            step.weights.flatten()[piece, None])
+            ffn = self._ffn(layer, place[0])
+            for picks, h in zip(step.pieces(picks_of[expert]), hidden.pop(expert)):
+                step.picked[picks] = ffn.finish(h, _slots(picks, place[1]),
+                                                step.weights.flatten()[picks, None])
 
     def _compute(self, layer: int, pool: str, entries: list[tuple[int, torch.Tensor]],
                  step: _Step) -> None:
