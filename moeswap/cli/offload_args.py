@@ -53,10 +53,10 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                    help="read the next layers' likely experts from disk into a few host slots "
                         "reserved for them (from --host-mem) while a layer computes, guessed by "
                         "the next router on this layer's input (gate), by routing history "
-                        "(history) or both; turned off by itself where forwards are not measured "
-                        "faster with it (default gate; off: never)")
+                        "(history) or both; turned off by itself where, by the store's counts, it "
+                        "hides less read time than it costs (default gate; off: never)")
     g.add_argument("--prefetch-depth", type=int, default=1, metavar="N",
-                   help="how many MoE layers ahead to guess (default 2; 0: off)")
+                   help="how many MoE layers ahead to guess (default 1; 0: off)")
     g.add_argument("--replay-routing", metavar="TRACE",
                    help="MEASUREMENT: use a recorded trace's (.npz) expert choices and gate "
                         "weights instead of the router's; trace layer i drives MoE layer i, "

@@ -1,7 +1,9 @@
-"""Prefetch orchestration: before each layer step, guesses for the next layers are read into
-host slots reserved for them in the disk's idle time (moeswap.experts.guesses), and on a CUDA device
-tier the guesses worth moving are uploaded on the copy stream. The throttle turns all of it off
-where it does not measurably pay (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
+"""Prefetch orchestration: before each layer step the guesses made for it are checked and stale
+reads stopped; once the step has issued its own reads, guesses for the next layers are made
+(the predictor runs while the disk reads the step's misses) and read into host slots reserved
+for them in the disk's idle time (moeswap.experts.guesses); on a CUDA device tier the guesses
+worth moving are uploaded on the copy stream. The throttle turns all of it off where, by the
+store's counts, it does not pay (moeswap.experts.prefetch; docs/OFFLOAD.md, "Prefetch").
 A wrong guess costs a read and a slot, never a different output.
 """
 

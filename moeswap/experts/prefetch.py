@@ -3,11 +3,11 @@
 Predictors (``--prefetch``), each giving per token a score over the experts of a later layer:
 
 - ``gate``: speculative gating, layer L+d's router applied to layer L's hidden state (the
-  input of L's experts); the score is its softmax. The store is handed the routers at build time.
+  input of L's experts); the score is its logits. The store is handed the routers at build time.
 - ``history``: co-activation counts between consecutive MoE layers, learned online from the
   routing the store sees (``counts[L][e, f]``: tokens that picked e at L and f at the next
   layer); the score at depth d chains the row-normalised counts d times from L's picks.
-- ``both``: the mean of the two scores.
+- ``both``: the mean of the two (the gate's as its softmax).
 
 Guesses are each token's top-k experts by score (their union, at most ``2 * top_k`` per target
 layer, best first). Every guess is checked when its target layer runs (recall and precision per
