@@ -7,6 +7,7 @@ on its own: test_prefetch_throttle.py; uploads to the device: test_prefetch_devi
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -341,4 +342,30 @@ def test_a_throttled_store_predicts_nothing_and_drops_waiting_reads(deep_mixtral
     # at most the read held at the gate is left, running (settled when its slot is next used)
     assert [job.state for job in store.residency.guesses.reads.values()] in ([], ["running"])
     gate.set()
+    store.close()
+
+
+def test_predicting_while_the_steps_reads_run_is_not_counted_a_cost(deep_mixtral):
+    gguf = GGUFFile.open(deep_mixtral)
+    fixed, slot, layers, n_experts = plan(deep_mixtral)
+    store = held_on(ExpertStore(gguf, CpuKernels(1), layers, "silu",
+                                OffloadSettings(host_bytes=fixed + len(layers) * n_experts * slot,
+                                                prefetch="gate"),
+                                routers=routers_of(deep_mixtral, layers)))
+    gate, read_piece = threading.Event(), store.residency.disk.read_piece
+    store.residency.disk.read_piece = lambda *args: (gate.wait(60), read_piece(*args))[1]
+    guesses = store.lookahead.prefetch.guesses
+
+    def slow_guesses(layer, x, ids):  # the step's reads wait at the gate meanwhile
+        time.sleep(0.05)
+        gate.set()
+        return guesses(layer, x, ids)
+
+    store.lookahead.prefetch.guesses = slow_guesses
+    x, weights, ids = torch.randn(1, 64), torch.rand(1, 2), torch.tensor([[0, 1]])
+    counts = store.lookahead.prefetch.counts
+    store.run(layers[0], x, ids, weights)  # two misses, read while the predictor runs
+    assert counts.cost_seconds < 0.05
+    store.run(layers[0], x, ids, weights)  # two hits: nothing read, the store waits for it
+    assert counts.cost_seconds >= 0.05
     store.close()

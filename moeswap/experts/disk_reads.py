@@ -149,6 +149,11 @@ class ParallelReads:
             self._cv.notify_all()
         return read
 
+    def step_reads_in_flight(self) -> bool:
+        """Whether a step's read waits or runs."""
+        with self._cv:
+            return bool(self._steps or self._step_running)
+
     def hold(self) -> None:
         """A step is issuing its reads: no guess chunk starts until ``release``."""
         with self._cv:

@@ -40,8 +40,8 @@ class Lookahead:
         """x [N, D], ids [N, K]: a layer step is about to run. No guess starts reading until
         the step has issued its own reads (``reads_issued``); if the throttle lets prefetch
         run in this forward, the guesses made for this layer are checked and stale ones
-        stopped now, and the next layers' are made once the step's reads are issued, while
-        the disk is busy with them (counting the time both take)."""
+        stopped now (counting its time), and the next layers' are made once the step's reads
+        are issued, while the disk is busy with them."""
         self.residency.reads.hold()
         self._step = None
         if self._running(layer):
@@ -52,13 +52,17 @@ class Lookahead:
 
     def reads_issued(self) -> None:
         """The step's reads are issued (moeswap.experts.step_reads): guesses may read in the
-        disk's idle time; the next layers' are made now."""
-        self.residency.reads.release()
+        disk's idle time; the next layers' are made now. Their time costs the store nothing
+        while the disk reads the step's misses (the store would wait for them): it is counted
+        only for a step that reads nothing."""
+        reads = self.residency.reads
+        reads.release()
         if self._step is not None:
-            started = time.perf_counter()
+            hidden, started = reads.step_reads_in_flight(), time.perf_counter()
             self.ahead(*self._step)
             self._step = None
-            self.prefetch.spent(time.perf_counter() - started)
+            if not hidden:
+                self.prefetch.spent(time.perf_counter() - started)
 
     def _running(self, layer: int) -> bool:
         """The throttle decides at each forward's first MoE layer, for the whole forward."""
