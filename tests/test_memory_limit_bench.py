@@ -70,6 +70,11 @@ def test_the_disk_busy_share_is_the_readers_busy_time_over_decode_time():
     row = floor_row(run, 670e6, rates)
     assert row["disk_busy"] == pytest.approx(6.0 / 8.0)  # 32 tokens at 4/s: 8 s of decode
     assert row["busy_read_rate"] == pytest.approx(1.5e9)
+    assert row["floor_read_rate"] == 2e9  # the probe's, faster
+    run["counts"]["disk_read_bytes"] = 18e9  # 3 GB/s while busy: faster than the probe
+    row = floor_row(run, 670e6, rates)
+    assert row["floor_read_rate"] == pytest.approx(3e9)
+    assert row["floor_tok_s"] == pytest.approx(3e9 / 245e6)  # the disk allowed that rate
 
 
 def test_guesses_read_in_vain_are_not_part_of_the_floor():

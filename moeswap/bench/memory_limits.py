@@ -17,7 +17,8 @@ routed experts per MoE layer (the KV cache, small at these contexts, is left out
 
 The cold-read rate is `moeswap probe`'s measurement (a scratch file written, dropped from the
 page cache, read), taken beside each run: before it and after it, in the model's folder, and
-the faster of the two is that row's rate (the stricter floor). A virtual disk's rate moves by
+the faster of the two is that row's rate (the stricter floor); where moeswap's own reads ran
+faster while the disk was busy with them, that rate is the floor's (the disk allowed it). A virtual disk's rate moves by
 a quarter within minutes (docs/BENCHMARKS.md), so a rate cached hours earlier says little of
 the disk a run had; the row against the cached probe's rate is reported too. The product rate
 is the cached probe's (else the planner's conservative defaults, named in the report).
@@ -78,18 +79,21 @@ def engines(facts: ModelFacts, limit: int, compare: bool, replay: str | None,
 def floor_row(result: dict, computed: int, rates) -> dict:
     """Per decode token: seconds of the floor, the run's seconds, and their ratio; where the
     store reports its reads, the share of decode time the disk was busy and the rate it read
-    at meanwhile (the run's own measure of overlap, free of the probe's rate)."""
+    at meanwhile (the run's own measure of overlap, free of the probe's rate), which is the
+    floor's read rate where it beats the probe's (the disk allowed it)."""
     counts = result.get("counts") or {}
     wasted = counts.get("guess_wasted_bytes", 0) / result.get("decode_tokens", 1)
     read = max(0.0, (result.get("read_bytes_per_token") or 0) - wasted)  # needed
-    floor_s = max(read / rates.disk_read, computed / rates.host_compute)
     measured_s = 1 / result["decode_tok_s"]
-    row = {"floor_tok_s": 1 / floor_s, "of_floor": floor_s / measured_s}
+    row, read_rate = {}, rates.disk_read
     busy = counts.get("disk_busy_seconds")
     if busy:
         row["disk_busy"] = busy / (result["decode_tokens"] * measured_s)
         row["busy_read_rate"] = counts["disk_read_bytes"] / busy  # guesses' reads too
-    return row
+        read_rate = max(read_rate, row["busy_read_rate"])
+    floor_s = max(read / read_rate, computed / rates.host_compute)
+    return {"floor_tok_s": 1 / floor_s, "of_floor": floor_s / measured_s,
+            "floor_read_rate": read_rate, **row}
 
 
 def run_limits(model: str, limits: list[int], threads: int, prompt: list[int], gen_tokens: int,
@@ -162,7 +166,8 @@ def table(body: dict) -> str:
     r = body["rates"]
     lines = [(f"Model {body['model']} ({body['model_bytes'] / 2**20:.0f} MiB); floor from cold "
               "reads measured beside each run (the faster of before and after, column 'cold "
-              f"reads') and products over stored weights {r['host_compute'] / 1e9:.1f} GB/s "
+              "reads', or moeswap's own reads while busy where faster) and products over "
+              f"stored weights {r['host_compute'] / 1e9:.1f} GB/s "
               f"({r['source']}); 'of cached floor': against that probe's cold reads, "
               f"{r['disk_read'] / 1e9:.2f} GB/s; computed per token "
               f"{body['computed_bytes_per_token'] / 2**20:.0f} MiB."), "",
