@@ -76,6 +76,7 @@ class ExpertStore:
                                     config.n_expert_used)
                           if self.residency.prefetching else None)
         self._pool_ffn: dict[tuple[str, int], MoeFfn] = {}  # (pool, layout) -> its graphs
+        self._layer_ffn: dict[tuple[int, str], MoeFfn] = {}  # (layer, pool) -> the same
         self.residency.prefill_policies()
 
     def run(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -165,20 +166,33 @@ class ExpertStore:
         """The picks of experts held in ``pool`` (entries: slot, picks as indices into N*K), as
         one graph a piece (torch device slots: each expert's picks of the step at once) -> their
         weighted rows, written into ``step.picked``."""
-        picks = torch.cat([p for _, p in entries]).sort().values  # [P], tokens ascending
+        picks = (entries[0][1] if len(entries) == 1  # [P], tokens ascending
+                 else torch.cat([p for _, p in entries]).sort().values)
         if pool == "device" and self.residency.on_torch_device:  # torch: no ggml token groups
             step.picked[picks] = self._device_rows(layer, entries, step.rows(picks),
                                                    step.weights.flatten()[picks, None], picks)
+            return
+        ffn, weights = self._ffn(layer, pool), step.weights.reshape(-1)  # [N*K]
+        if len(entries) == 1:  # one expert (a miss): every pick's slot is its own
+            for piece in step.pieces(picks):
+                step.picked[piece] = ffn.run(step.rows(piece), _slots(piece, entries[0][0]),
+                                             weights[piece, None])
             return
         slot_of = torch.empty(step.ids.numel(), dtype=torch.int32)
         for index, p in entries:
             slot_of[p] = index
         for piece in step.pieces(picks):
-            step.picked[piece] = self._ffn(layer, pool).run(
-                step.rows(piece), slot_of[piece, None], step.weights.flatten()[piece, None])
+            step.picked[piece] = ffn.run(step.rows(piece), slot_of[piece, None],
+                                         weights[piece, None])
 
     def _ffn(self, layer: int, pool: str) -> MoeFfn:
-        """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout."""
+        """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout
+        (looked up by layer too: a miss's compute waits on it)."""
+        if (layer, pool) not in self._layer_ffn:
+            self._layer_ffn[layer, pool] = self._layout_ffn(layer, pool)
+        return self._layer_ffn[layer, pool]
+
+    def _layout_ffn(self, layer: int, pool: str) -> MoeFfn:
         r = self.residency
         layout = (r.lowbit if pool == "lowbit" else self).layouts[layer]
         names = tuple((q.name.split(".", 2)[2], q.ggml_type, q.ne) for q in layout.parts)
@@ -265,6 +279,8 @@ class _Step:
 
     def rows(self, picks: torch.Tensor) -> torch.Tensor:
         """picks [P] (indices into N*K) -> their tokens' rows [P, D]."""
+        if self.x.shape[0] == 1:  # decode: every pick is the one token's (a view, no gather)
+            return self.x.expand(picks.numel(), -1)
         return self.x[picks // self.ids.shape[1]]
 
     def pieces(self, picks: torch.Tensor) -> list[torch.Tensor]:
