@@ -269,9 +269,9 @@ class ParallelReads:
                 if task[0] == "step":
                     self._step_running += 1
                 else:
-                    job = task[1]
+                    job, idle = task[1], not task[1].urgent
                     job.in_flight += 1
-                    if not job.urgent:
+                    if idle:
                         job.idle_chunk = time.perf_counter(), task[2][1].nbytes
                         self._idle_chunks.add(job)
                     if job.state == PENDING:
@@ -285,7 +285,8 @@ class ParallelReads:
                 read.piece_done(error)
             else:
                 _, job, (part, target, at) = task
-                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at))
+                self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at),
+                                       idle)
 
     def _read_chunk(self, job: GuessRead, part: ExpertPart, target: np.ndarray,
                     within: int) -> BaseException | None:
@@ -299,13 +300,14 @@ class ParallelReads:
             return e
         return None
 
-    def _guess_chunk_done(self, job: GuessRead, n_bytes: int,
-                          error: BaseException | None) -> None:
+    def _guess_chunk_done(self, job: GuessRead, n_bytes: int, error: BaseException | None,
+                          idle: bool) -> None:
+        """``idle``: the chunk was read in the idle time (nobody had asked for its guess)."""
         landed = None
         with self._cv:
             job.in_flight -= 1
-            self._idle_chunks.discard(job)
-            if job.idle_chunk is not None:
+            if idle:
+                self._idle_chunks.discard(job)
                 self._chunk_bytes += n_bytes
                 self._chunk_seconds += time.perf_counter() - job.idle_chunk[0]
                 job.idle_chunk = None
