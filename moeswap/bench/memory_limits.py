@@ -18,10 +18,11 @@ routed experts per MoE layer (the KV cache, small at these contexts, is left out
 The cold-read rate is `moeswap probe`'s measurement (a scratch file written, dropped from the
 page cache, read), taken beside each run: before it and after it, in the model's folder, and
 the faster of the two is that row's rate (the stricter floor); where moeswap's own reads ran
-faster while the disk was busy with them, that rate is the floor's (the disk allowed it). A virtual disk's rate moves by
-a quarter within minutes (docs/BENCHMARKS.md), so a rate cached hours earlier says little of
-the disk a run had; the row against the cached probe's rate is reported too. The product rate
-is the cached probe's (else the planner's conservative defaults, named in the report).
+faster while the disk was busy with them, that rate is the floor's (the disk allowed it). A
+virtual disk's rate moves by a quarter within minutes (docs/BENCHMARKS.md), so a rate cached
+hours earlier says little of the disk a run had; the row against the cached probe's rate is
+reported too. The product rate is the cached probe's (else the planner's conservative
+defaults, named in the report).
 moeswap's rows also carry the run's own measure of overlap, which needs no rate: the share of
 decode time during which any expert read ran ("disk busy", from the store's reader), and the
 rate it read at meanwhile.

@@ -31,13 +31,14 @@ last read and the next layer's routing, and a step's own read waits at most for 
 The store decides residency on its own thread (moeswap.experts.store).
 
 Above all of that, ``Throttle`` keeps prefetch from costing time. It judges prefetch by the
-store's counts in windows of ``WINDOW_FORWARDS`` forwards, the first from the first forward: the
-read time of used guesses that nobody waited for, against the time the store's thread spent on
-prefetch (predicting, handing reads over, waiting for stale reads' chunks) plus what the chunks
-of guesses that were not used had left to read when step reads came. Where it hid less than that it is turned off completely (no
-prediction, no reads) for ``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it
-keeps losing. (A window is long enough that the first guesses of each layer, which are only
-checked, not read, weigh little.)
+store's counts in windows of ``WINDOW_FORWARDS`` forwards, the first from the first forward:
+the read time of used guesses that nobody waited for, against the time the store's thread spent
+on prefetch (checking guesses, waiting for a draining slot, and predicting in steps that read
+nothing) plus what the chunks of guesses that were not used had left to read when step reads
+came. Where it hid less than that it is turned off completely (no prediction, no reads) for
+``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it keeps losing. (A window
+is long enough that the first guesses of each layer, which are only checked, not read, weigh
+little.)
 
 Legend: N tokens, K picks per token, X experts of a layer.
 """
@@ -264,10 +265,10 @@ class Throttle:
     timed forwards (on a disk whose rate drifts, forwards minutes apart differ by more than
     prefetch gains). Prefetch runs in windows of ``WINDOW_FORWARDS`` forwards; at a window's
     end it stays on for the next one only if the read time its used guesses hid (``hidden``)
-    exceeds what it cost (``cost``: the store's thread predicting, handing reads over and
-    waiting for stale ones, and the step reads' wait behind chunks of guesses not used). A lost window turns
-    it off, no prediction and no reads, for ``RECHECK_FORWARDS`` forwards, doubling up to
-    ``MAX_RECHECK`` while it keeps losing; then a window on again.
+    exceeds what it cost (``cost``: the store's thread on prefetch, and the step reads' wait
+    behind chunks of guesses not used). A lost window turns it off, no prediction and no reads,
+    for ``RECHECK_FORWARDS`` forwards, doubling up to ``MAX_RECHECK`` while it keeps losing;
+    then a window on again.
     """
 
     def __init__(self):
