@@ -8,8 +8,9 @@ small budget (was scripts/bench_prefetch.py).
         medians of decode tokens/s, stall seconds, the load time prefetch hid and its share,
         what prefetch cost the store's thread, recall per depth and the throttle's forwards
         on/off, each with the spread (min-max over repeats) as the noise band. Settings: off;
-        depth 1, 2, 4 as shipped (adaptive: the throttle keeps prefetch only where measured
-        faster); and depth 2 held on (the throttle bypassed: what prefetch hides and costs)
+        depth 1, 2, 4 as shipped (adaptive: the throttle keeps prefetch only where, by the
+        store's counts, it hides more read time than it costs); and depth 2 held on (the
+        throttle bypassed: what prefetch hides and costs)
     moeswap bench --suite prefetch stress [--model M] [--steps 10000] -o DIR
         a tiny budget (10 % of the routed bytes: on the built-in model 9 host slots, below one
         token's 12 picks), prefetch both at depth 4 against off, adaptive and held on (throttle
