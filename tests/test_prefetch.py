@@ -43,7 +43,7 @@ def other_family(request, tmp_path_factory):
 
 
 def held_on(store):
-    """The throttle bypassed: prefetch runs from the first forward (it probes off first)."""
+    """The throttle bypassed: no window it judges can turn prefetch off."""
     if store.lookahead is not None:
         store.lookahead.prefetch.throttle.forward = lambda: True
     return store

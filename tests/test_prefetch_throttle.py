@@ -1,6 +1,6 @@
 """The prefetch throttle: prefetch judged by the store's counts in windows of forwards, kept on
 while the read time it hid exceeds what it cost, off for a pause that doubles while it keeps
-losing; and the store hands it those counts."""
+losing (what the store counts as cost: test_prefetch.py, test_idle_reads.py)."""
 
 from __future__ import annotations
 
