@@ -172,18 +172,12 @@ class ExpertStore:
             step.picked[picks] = self._device_rows(layer, entries, step.rows(picks),
                                                    step.weights.flatten()[picks, None], picks)
             return
+        # one expert (a miss): every pick's slot is its own, no table of them to build
+        slot_of = None if len(entries) == 1 else _slot_table(entries, step.ids.numel())
         ffn, weights = self._ffn(layer, pool), step.weights.reshape(-1)  # [N*K]
-        if len(entries) == 1:  # one expert (a miss): every pick's slot is its own
-            for piece in step.pieces(picks):
-                step.picked[piece] = ffn.run(step.rows(piece), _slots(piece, entries[0][0]),
-                                             weights[piece, None])
-            return
-        slot_of = torch.empty(step.ids.numel(), dtype=torch.int32)
-        for index, p in entries:
-            slot_of[p] = index
         for piece in step.pieces(picks):
-            step.picked[piece] = ffn.run(step.rows(piece), slot_of[piece, None],
-                                         weights[piece, None])
+            slots = _slots(piece, entries[0][0]) if slot_of is None else slot_of[piece, None]
+            step.picked[piece] = ffn.run(step.rows(piece), slots, weights[piece, None])
 
     def _ffn(self, layer: int, pool: str) -> MoeFfn:
         """The fused graphs over ``pool``'s slots holding this layer's layout; one per layout
@@ -286,6 +280,14 @@ class _Step:
     def pieces(self, picks: torch.Tensor) -> list[torch.Tensor]:
         """picks [P] ascending -> those of each piece of MAX_TOKENS_PER_CALL tokens."""
         return picks_by_piece(picks, self.ids.shape[1])
+
+
+def _slot_table(entries: list[tuple[int, torch.Tensor]], n_picks: int) -> torch.Tensor:
+    """entries (slot, picks) -> [N*K]: each pick's slot."""
+    slot_of = torch.empty(n_picks, dtype=torch.int32)
+    for index, picks in entries:
+        slot_of[picks] = index
+    return slot_of
 
 
 def _slots(picks: torch.Tensor, index: int) -> torch.Tensor:
