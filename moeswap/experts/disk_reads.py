@@ -335,7 +335,7 @@ class ParallelReads:
             return
         for job in self._idle_chunks:
             left = job.idle_chunk[1] - self._chunk_progress(job)
-            job.delay_seconds += left * stats.seconds / stats.bytes
+            job.delay_seconds += stats.seconds_for(left)
         self._idle_chunks.clear()
 
     def _chunk_progress(self, job: GuessRead) -> int:

@@ -122,7 +122,7 @@ class HostGuesses:
             self.prefetch.read_outcome(key[0], used=True)
             self.prefetch.counts.used += 1
             self.prefetch.counts.bytes_prefetched += job.n_bytes
-            self.prefetch.hid(self._read_time(self.worker.bytes_read(job)))
+            self.prefetch.hid(self.worker.disk.stats.seconds_for(self.worker.bytes_read(job)))
             return self.slots.pop(key), False, job
         if job is not None:
             self._land(key, job)
@@ -237,14 +237,11 @@ class HostGuesses:
             return
         self.prefetch.counts.bytes_prefetched += job.layout.expert_bytes
         self.filled.add(key)
-        self._unused[key] = (self._read_time(job.layout.expert_bytes), job.layout.expert_bytes,
+        # its bytes at the store's read rate (its own wall time counts the step reads that came
+        # between its chunks)
+        n_bytes = job.layout.expert_bytes
+        self._unused[key] = (self.worker.disk.stats.seconds_for(n_bytes), n_bytes,
                              job.delay_seconds)
-
-    def _read_time(self, n_bytes: int) -> float:
-        """What reading ``n_bytes`` takes at the store's measured read rate (a guess's own wall
-        time counts the step reads that came between its chunks)."""
-        stats = self.worker.disk.stats
-        return n_bytes * stats.seconds / stats.bytes if stats.bytes else 0.0
 
     def _forget(self, key: Key) -> None:
         self.filled.discard(key)

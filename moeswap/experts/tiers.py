@@ -112,6 +112,10 @@ class ReadStats:
     seconds: float = 0.0
     reads: int = 0  # pieces read
 
+    def seconds_for(self, n_bytes: int) -> float:
+        """How long ``n_bytes`` take at the rate read so far (0 before any read)."""
+        return n_bytes * self.seconds / self.bytes if self.bytes else 0.0
+
 
 Paths = list[str | os.PathLike]  # the model's files: one, or a split set's pieces in order
 
