@@ -14,12 +14,13 @@ from test_expert_store import decode_logits, store_model
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.direct_io import BOUNCE_BYTES, DIRECT_ALIGNMENT, ModelFile
-from moeswap.experts.disk_reads import ParallelReads
+from moeswap.experts.disk_reads import STEP_CHUNK_BYTES, ParallelReads, step_chunks
+from moeswap.experts.step_reads import FRONT, REST, WHOLE, StepReads
 from moeswap.experts.tiers import DiskReader, slot_bytes
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
 from moeswap.models.loader import load_model
-from moeswap.models.quant_experts import ExpertLayout, QuantResidentExperts
+from moeswap.models.quant_experts import ExpertLayout, ExpertPart, QuantResidentExperts
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +149,85 @@ def test_reads_run_depth_at_once_and_land_in_their_slots(mixtral_file):
     disk.close()
 
 
+@pytest.mark.parametrize("size", [100, 4096, STEP_CHUNK_BYTES, 3 * STEP_CHUNK_BYTES + 12345])
+@pytest.mark.parametrize("start", [0, 777])
+def test_step_chunks_cover_a_piece_cut_on_disk_blocks(size, start):
+    part = ExpertPart("blk.0.ffn_down_exps.weight", 8, (size, 1), 4, start, size)
+    for expert in range(4):
+        chunks = step_chunks(part, expert)
+        first = start + expert * size
+        assert [at for at, _ in chunks] == [0] + [at + n for at, n in chunks[:-1]]
+        assert sum(n for _, n in chunks) == size and all(n > 0 for _, n in chunks)
+        assert all((first + at) % DIRECT_ALIGNMENT == 0 for at, _ in chunks[1:])
+        assert len(chunks) == max(1, round(size / STEP_CHUNK_BYTES))
+
+
+def test_an_experts_front_lands_first_and_is_reported_before_the_rest(mixtral_file):
+    gguf = GGUFFile.open(mixtral_file)
+    layout = ExpertLayout.from_file(gguf, config_from_gguf(gguf).moe_layers[0])
+    disk = DiskReader(gguf.piece_paths, cold=True)
+    reads = ParallelReads(disk, depth=1)  # one reader: chunks in the order they are queued
+    order, events = [], []
+    read_piece = disk.read_piece
+    disk.read_piece = lambda part, *args: (order.append(part.name), read_piece(part, *args))
+    down = layout.matrices["down"]
+    front = [part for part in layout.parts if part is not down]
+    slot = np.zeros(slot_bytes([layout]), np.uint8)
+    read = reads.submit(layout, 2, slot, None, lambda r: events.append(("landed", len(order))),
+                        front, lambda r: events.append(("front", len(order))))
+    read.result()
+    # every front piece before the down matrix; the front reported before the down was read
+    assert set(order[:len(front)]) == {part.name for part in front}
+    assert order[len(front):] == [down.name]
+    assert events == [("front", len(front)), ("landed", len(order))]
+    expected = np.zeros_like(slot)
+    DiskReader(gguf.piece_paths).read_expert(layout, 2, expected)
+    assert np.array_equal(slot, expected)
+    reads.close()
+    disk.close()
+
+
+def test_a_front_that_failed_is_not_reported_and_the_read_raises(mixtral_file):
+    gguf = GGUFFile.open(mixtral_file)
+    layout = ExpertLayout.from_file(gguf, config_from_gguf(gguf).moe_layers[0])
+    disk = DiskReader(gguf.piece_paths, cold=True)
+    reads = ParallelReads(disk, depth=1)
+    down = layout.matrices["down"]
+
+    def fail_gate(part, *args):
+        if part is not down:
+            raise OSError(errno.EIO, "Input/output error")
+
+    disk.read_piece = fail_gate
+    fronts = []
+    read = reads.submit(layout, 0, np.zeros(slot_bytes([layout]), np.uint8), None,
+                        lambda r: None, [p for p in layout.parts if p is not down], fronts.append)
+    with pytest.raises(OSError, match="Input/output error"):
+        read.result()
+    assert fronts == []
+    reads.close()
+
+
+def test_a_miss_computed_in_halves_as_its_front_lands_keeps_the_logits_exact(mixtral_file,
+                                                                             monkeypatch):
+    resident = load_model(mixtral_file, threads=1, expert_runner=QuantResidentExperts)
+    expected = decode_logits(resident)
+    stages = []
+    first_pass = StepReads.first_pass
+
+    def noted(self, *args):
+        for served in first_pass(self, *args):
+            stages.append(served[2])
+            yield served
+
+    monkeypatch.setattr(StepReads, "first_pass", noted)
+    # one reader: a miss's down matrix is read after its front, which is reported first
+    model, factory = store_model(mixtral_file, 4, cold_reads=True, prefetch="off", read_depth=1)
+    assert torch.equal(decode_logits(model), expected)
+    assert factory.stats()["total"]["disk_misses"] > 0
+    assert 0 < stages.count(FRONT) == stages.count(REST)
+
+
 def test_a_short_read_in_flight_names_the_file_and_tensor(mixtral_file, tmp_path):
     gguf = GGUFFile.open(mixtral_file)
     last = max((t for t in gguf.tensors if "_exps" in t.name), key=lambda t: t.data_end)
@@ -173,9 +253,10 @@ def test_no_piece_is_read_twice_in_a_step_and_logits_stay_exact(mixtral_file, ho
     read_piece, start = r.disk.read_piece, r.step.start
 
     def counted(part, expert, target, within=0):
-        reads.append(part.expert_bytes)
-        twice.extend([(part.name, expert)] if (part.name, expert) in seen else [])
-        seen.add((part.name, expert))
+        reads.append(target.nbytes)
+        chunk = (part.name, expert, within)
+        twice.extend([chunk] if chunk in seen else [])
+        seen.add(chunk)
         read_piece(part, expert, target, within)
 
     def new_step(layer, experts):
@@ -209,9 +290,10 @@ def test_held_experts_compute_while_the_steps_misses_are_read(mixtral_file):
     stats = r.layer_stats[layer]
     passes = r.step.first_pass([(missing[0], 1), (held[0], 1)], stats)
     first = next(passes)
-    assert first == (held[0], ("host", r.slots["host"][layer, held[0]]))  # its read still waits
+    assert first == (held[0], ("host", r.slots["host"][layer, held[0]]), WHOLE)  # its read waits
     release.set()
-    rest = list(passes)
-    assert [e for e, _ in rest] == [missing[0]]
-    down = r.step.second_pass(dict([first, *rest]), stats)
+    # the miss whole, or its front then the rest (which lands first is up to the readers)
+    rest = [(e, place, stage) for e, place, stage in passes if stage != FRONT]
+    assert [(e, stage) for e, _, stage in rest] in ([(missing[0], WHOLE)], [(missing[0], REST)])
+    down = r.step.second_pass({e: place for e, place, _ in [first, *rest]}, stats)
     assert sorted(e for e, _ in down) == sorted([held[0], missing[0]])

@@ -4,10 +4,12 @@
 ``--read-depth``; ``preadv`` releases the GIL, so the store's thread computes meanwhile). Two
 kinds of work share them:
 
-- **the step's reads** (``submit``): an expert's pieces (gate, up or gate_up, down, biases), one
-  task each, first come first served, ``depth`` at once. An ``ExpertRead`` is one expert's pieces;
-  when the last lands it reports itself to the callback given at submit, so the store computes
-  each miss as soon as its bytes are in, in the order they land.
+- **the step's reads** (``submit``): an expert's pieces (gate, up or gate_up, down, biases) cut
+  into chunks of about ``STEP_CHUNK_BYTES``, first come first served, ``depth`` at once, its
+  front's chunks (gate/up) before the rest. An ``ExpertRead`` is one expert's chunks; when its
+  front is in it reports that (the store computes the activation while the down matrix is read),
+  and when the last chunk lands it reports itself, so the store finishes each miss as soon as its
+  bytes are in, in the order they land.
 - **guesses** (``guess``): experts the prefetcher (moeswap.experts.prefetch) expects a later
   layer to ask for, read in ``CHUNK_BYTES`` chunks, one chunk at a time, and only while no step
   read waits or runs and no step is issuing its reads (``hold``): they fill the disk's idle time
@@ -33,6 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moeswap.experts.direct_io import DIRECT_ALIGNMENT
 from moeswap.experts.tiers import DiskReader, slot_pieces
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
@@ -41,26 +44,54 @@ from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 # (docs/BENCHMARKS.md, issue 19, session 11); a real model's pieces are larger than either.
 CHUNK_BYTES = 4 << 20
 
+# A step read's unit: a piece of an expert is read as chunks of about this size, taken in order
+# by every reader, so that an expert's front (gate/up) lands while the rest is read. On the VM of
+# session 12, 1 MiB reads ran slower than whole pieces, 2-3 MiB as fast.
+STEP_CHUNK_BYTES = 2 << 20
+
 PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
 
 
-class ExpertRead:
-    """One expert's pieces in flight; ``result()`` waits and raises the first read's error."""
+def step_chunks(part: ExpertPart, expert: int) -> list[tuple[int, int]]:
+    """(offset in the piece, bytes) of the expert's piece's chunks: about STEP_CHUNK_BYTES
+    each, cut where the file offset is a whole disk block (a cold read's aligned middle)."""
+    start, size = part.data_start + expert * part.expert_bytes, part.expert_bytes
+    n = max(1, round(size / STEP_CHUNK_BYTES))
+    cuts = sorted({0, size, *(_block(start + size * i // n) - start for i in range(1, n))})
+    cuts = [c for c in cuts if 0 <= c <= size]
+    return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
 
-    def __init__(self, n_bytes: int, n_pieces: int, on_landed: Callable[[ExpertRead], None]):
+
+def _block(offset: int) -> int:
+    return offset - offset % DIRECT_ALIGNMENT
+
+
+class ExpertRead:
+    """One expert's chunks in flight; ``result()`` waits and raises the first read's error.
+    ``on_landed(self)`` once every chunk is in; ``on_front(self)``, where given, once the chunks of
+    its front are in without error (not when they end up the last: then only ``on_landed``)."""
+
+    def __init__(self, n_bytes: int, n_chunks: int, on_landed: Callable[[ExpertRead], None],
+                 n_front: int = 0, on_front: Callable[[ExpertRead], None] | None = None):
         self.n_bytes = n_bytes
-        self._left, self._lock = n_pieces, threading.Lock()
+        self._left, self._front_left, self._lock = n_chunks, n_front, threading.Lock()
         self._landed = threading.Event()
         self._error: BaseException | None = None
-        self._on_landed = on_landed
-        if not n_pieces:
+        self._on_landed, self._on_front = on_landed, on_front
+        if not n_chunks:
             self._land()
 
-    def piece_done(self, error: BaseException | None) -> None:
+    def chunk_done(self, error: BaseException | None, front: bool) -> None:
         with self._lock:
             self._left -= 1
             last = self._left == 0
             self._error = self._error or error
+            if front:
+                self._front_left -= 1
+            front_in = (front and not self._front_left and not last and self._error is None
+                        and self._on_front is not None)
+        if front_in:
+            self._on_front(self)
         if last:
             self._land()
 
@@ -120,8 +151,8 @@ class ParallelReads:
     def __init__(self, disk: DiskReader, depth: int):
         self.disk, self.depth = disk, max(1, depth)
         self._cv = threading.Condition()
-        # (piece, expert, target, offset in the piece, its expert's read)
-        self._steps: deque[tuple[ExpertPart, int, np.ndarray, int, ExpertRead]] = deque()
+        # chunks: (piece, expert, target, offset in the piece, its expert's read, of its front)
+        self._steps: deque[tuple[ExpertPart, int, np.ndarray, int, ExpertRead, bool]] = deque()
         self._guesses: deque[GuessRead] = deque()  # not finished, in submission order
         self._threads: list[threading.Thread] = []
         self._step_running = 0  # step pieces being read
@@ -137,14 +168,24 @@ class ParallelReads:
 
     def submit(self, layout: ExpertLayout, expert: int, slot: np.ndarray,
                parts: list[ExpertPart] | None,
-               on_landed: Callable[[ExpertRead], None]) -> ExpertRead:
-        """Read the expert's pieces (those of ``parts``; None: all) into ``slot``."""
+               on_landed: Callable[[ExpertRead], None],
+               front: list[ExpertPart] = (),
+               on_front: Callable[[ExpertRead], None] | None = None) -> ExpertRead:
+        """Read the expert's pieces (those of ``parts``; None: all) into ``slot``, those of
+        ``front`` first, in chunks of about STEP_CHUNK_BYTES taken in order: the front lands
+        while the rest is read (``on_front``)."""
         pieces = [(part, target) for _, part, target in slot_pieces(layout, slot)
                   if parts is None or part in parts]
-        read = ExpertRead(sum(part.expert_bytes for part, _ in pieces), len(pieces), on_landed)
+        pieces.sort(key=lambda piece: piece[0] not in front)  # stable: the front's first
+        # (piece, target chunk, offset in the piece, of the front)
+        chunks = [(part, target[at:at + n], at, part in front)
+                  for part, target in pieces for at, n in step_chunks(part, expert)]
+        read = ExpertRead(sum(part.expert_bytes for part, _ in pieces), len(chunks), on_landed,
+                          sum(chunk[3] for chunk in chunks), on_front)
         with self._cv:
             self._start_threads()
-            self._steps.extend((part, expert, target, 0, read) for part, target in pieces)
+            self._steps.extend((part, expert, target, at, read, in_front)
+                               for part, target, at, in_front in chunks)
             self._charge_idle_chunks()
             self._cv.notify_all()
         return read
@@ -277,12 +318,12 @@ class ParallelReads:
                     if job.state == PENDING:
                         job.state = RUNNING
             if task[0] == "step":
-                part, expert, target, at, read = task[1]
+                part, expert, target, at, read, in_front = task[1]
                 error = self._read(part, expert, target, at)
                 with self._cv:
                     self._step_running -= 1
                     self._ended_read()
-                read.piece_done(error)
+                read.chunk_done(error, in_front)
             else:
                 _, job, (part, target, at) = task
                 self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at),

@@ -32,6 +32,9 @@ from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
 Key = tuple[int, int]  # (layer, expert)
 Place = tuple[str, int]  # (pool name, slot)
+# What ``first_pass`` says is in of an expert it yields: all its bytes; only its front (every
+# piece but the down half), the rest yielded later; that rest.
+WHOLE, FRONT, REST = "whole", "front", "rest"
 
 
 class StepReads:
@@ -44,10 +47,29 @@ class StepReads:
         # since a slot can change hands within a step (more experts than host slots)
         self.pending: dict[Key, tuple[int, ExpertRead]] = {}
         self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
-        self._landed: queue.SimpleQueue[ExpertRead] = queue.SimpleQueue()
-        self.landed = self._landed.put  # what a read calls when its bytes are in
+        # (read, only its front is in): what reads report as they land
+        self._landed: queue.SimpleQueue[tuple[ExpertRead, bool]] = queue.SimpleQueue()
         self.issued = lambda: None  # called once the step's reads are issued (prefetch,
         # moeswap.experts.lookahead: guesses may read then, and the next ones are made)
+
+    def landed(self, read: ExpertRead) -> None:
+        """What a read calls when its bytes are in."""
+        self._landed.put((read, False))
+
+    def _front_landed(self, read: ExpertRead) -> None:
+        self._landed.put((read, True))
+
+    def _submit(self, key: Key, slot, parts: list[ExpertPart] | None) -> ExpertRead:
+        """Read the expert's ``parts`` (None: all) into ``slot``; a whole expert's front
+        (every piece but the down half) first, reported as it lands unless the step streams
+        (its passes read the halves apart)."""
+        layout = self.r.layouts[key[0]]
+        if parts is not None or self.split:
+            return self.r.reads.submit(layout, key[1], slot, parts, self.landed)
+        down = _down_half(layout)
+        return self.r.reads.submit(layout, key[1], slot, None, self.landed,
+                                   [p for p in layout.parts if p not in down],
+                                   self._front_landed)
 
     def start(self, layer: int, experts: list[int]) -> None:
         r = self.r
@@ -67,22 +89,23 @@ class StepReads:
                 if taken == index:  # evicted within the step, its read in flight: it lands first
                     read.wait()
                     del self.pending[other]
-            self.pending[key] = index, r.reads.submit(layout, key[1], slot, None, self.landed)
+            self.pending[key] = index, self._submit(key, slot, None)
             return
         before = r.disk.stats.seconds
         r.disk.read_expert(layout, key[1], slot)
         stats.stall_seconds += r.disk.stats.seconds - before
 
     def first_pass(self, requests: list[tuple[int, int]], stats: LayerStats):
-        """Serve each (expert, tokens picking it) -> (expert, place) for gate/up: held experts
-        first, then misses as they land. Without overlap each is served as it is computed (a
-        later miss may take a ring or device slot an earlier one used)."""
+        """Serve each (expert, tokens picking it) -> (expert, place, what is in: WHOLE, FRONT or
+        REST) for gate/up: held experts first, then misses as they land, a whole miss's front
+        before its rest unless the step streams. Without overlap each is served as it is
+        computed (a later miss may take a ring or device slot an earlier one used)."""
         serve = self.r.serve
         if not self.r.overlapped:
             self.issued()
             for expert, n_tokens in requests:
                 stats.requests += 1
-                yield expert, serve(self.layer, expert, n_tokens, stats)
+                yield expert, serve(self.layer, expert, n_tokens, stats), WHOLE
             return
         waiting: dict[ExpertRead, tuple[int, Place]] = {}
         staged = []
@@ -98,7 +121,7 @@ class StepReads:
             elif place[0] == "queued":
                 staged.append(expert)
             else:
-                yield expert, place
+                yield expert, place, WHOLE
         layout = self.r.layouts[self.layer]
         parts = [p for p in layout.parts if p not in _down_half(layout)] if self.split else None
         yield from self._stream(waiting, staged, parts, stats)
@@ -112,27 +135,35 @@ class StepReads:
                 staged.append(expert)
             else:
                 yield expert, self.r.still_held((self.layer, expert), place, stats)
-        yield from self._stream({}, staged, _down_half(self.r.layouts[self.layer]), stats)
+        for expert, place, _ in self._stream({}, staged, _down_half(self.r.layouts[self.layer]),
+                                             stats):
+            yield expert, place
 
     def _stream(self, waiting: dict[ExpertRead, tuple[int, Place]], staged: list[int],
                 parts: list[ExpertPart] | None, stats: LayerStats):
         """Read ``staged`` experts' ``parts`` through the ring while ``waiting`` reads land;
-        yield each expert once its bytes are in."""
+        yield each expert once its bytes are in (and once its front is, where reported)."""
         r, layer = self.r, self.layer
         free, queued = deque(range(r.staging.n_slots)), deque(staged)
+        fronted = set()  # reads whose front was yielded
         try:
             while queued or waiting:
                 while queued and free:
                     index, expert = free.popleft(), queued.popleft()
                     r.staging.holder[index] = (layer, expert)
-                    read = r.reads.submit(r.layouts[layer], expert, r.staging.slot(index), parts,
-                                          self.landed)
+                    read = self._submit((layer, expert), r.staging.slot(index), parts)
                     stats.disk_bytes += read.n_bytes
                     waiting[read] = expert, ("staging", index)
                 started = time.perf_counter()
-                read = self._landed.get()
+                read, front = self._landed.get()
                 stats.stall_seconds += time.perf_counter() - started
-                if read not in waiting:  # left over from a step an error cut short
+                # not waited for: left over from a step an error cut short, or a front reported
+                # after its whole read
+                if read not in waiting:
+                    continue
+                if front:
+                    fronted.add(read)
+                    yield *waiting[read], FRONT
                     continue
                 expert, place = waiting.pop(read)
                 try:
@@ -141,7 +172,7 @@ class StepReads:
                     if place[0] == "host":
                         self.unfilled.add((layer, expert))
                     raise
-                yield expert, place
+                yield expert, place, REST if read in fronted else WHOLE
                 if self.split and place[0] == "staging":
                     free.append(place[1])  # its products are done: the next miss may land
         finally:  # an error or an abandoned step: no read may still write into a slot

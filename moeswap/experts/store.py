@@ -33,6 +33,7 @@ from moeswap.experts.lookahead import Lookahead
 from moeswap.experts.residency import Residency
 from moeswap.experts.settings import OffloadSettings
 from moeswap.experts.stats import LayerStats, total
+from moeswap.experts.step_reads import FRONT, REST
 from moeswap.experts.tiers import check_inside_file, piece_offsets, slot_bytes, slot_pieces
 from moeswap.formats.config import config_from_gguf
 from moeswap.formats.gguf_file import GGUFFile
@@ -110,12 +111,17 @@ class ExpertStore:
                picks_of: dict[int, torch.Tensor], step: _Step, stats: LayerStats) -> None:
         """Each expert's whole feed-forward once its bytes are in: the hits together, one graph
         per pool, as soon as the last of them is served (before any miss's read is waited
-        for); then each miss as it lands. Without overlap (device slots) each expert is
-        computed as it is served: a later one may take the slot an earlier one used."""
+        for); then each miss as it lands, its activation once its front is in (while its down
+        matrix is read) and the rest when that lands. Without overlap (device slots) each
+        expert is computed as it is served: a later one may take the slot an earlier one used."""
         r = self.residency
         hits = {e for e, _ in requests if r.ready((layer, e))} if r.overlapped else set()
         batch: list[tuple[int, tuple[str, int]]] = []
-        for expert, place in r.step.first_pass(requests, stats):
+        hidden: dict[int, list[torch.Tensor]] = {}  # a miss whose front is in -> its activations
+        for expert, place, stage in r.step.first_pass(requests, stats):
+            if stage == FRONT:
+                hidden[expert] = self._hidden(layer, place, picks_of[expert], step)
+                continue
             if expert in hits:
                 batch.append((expert, place))
                 hits.discard(expert)
@@ -123,7 +129,10 @@ class ExpertStore:
                     continue
             else:  # one evicted meanwhile (more experts than slots) is read again
                 place = r.still_held((layer, expert), place, stats)
-                self._compute(layer, place[0], [(place[1], picks_of[expert])], step)
+                if stage == REST:
+                    self._finish(layer, place, picks_of[expert], hidden.pop(expert), step)
+                else:
+                    self._compute(layer, place[0], [(place[1], picks_of[expert])], step)
             self._compute_hits(layer, batch, picks_of, step, stats)
             batch = []
         self._compute_hits(layer, batch, picks_of, step, stats)
@@ -149,17 +158,27 @@ class ExpertStore:
         (moeswap.experts.step_reads): each expert's graph cut at the activation, gate/up in
         the first pass, down in the second; the same bits as one graph."""
         r, hidden, places = self.residency, {}, {}
-        for expert, place in r.step.first_pass(requests, stats):
+        for expert, place, _ in r.step.first_pass(requests, stats):  # whole: the step streams
             # one evicted meanwhile (more experts than slots) is read again
             places[expert] = place = r.still_held((layer, expert), place, stats)
-            ffn = self._ffn(layer, place[0])
-            hidden[expert] = [ffn.hidden(step.rows(picks), _slots(picks, place[1]))
-                              for picks in step.pieces(picks_of[expert])]  # [p, 1, F] each
+            hidden[expert] = self._hidden(layer, place, picks_of[expert], step)
         for expert, place in r.step.second_pass(places, stats):
-            ffn = self._ffn(layer, place[0])
-            for picks, h in zip(step.pieces(picks_of[expert]), hidden.pop(expert)):
-                step.picked[picks] = ffn.finish(h, _slots(picks, place[1]),
-                                                step.weights.flatten()[picks, None])
+            self._finish(layer, place, picks_of[expert], hidden.pop(expert), step)
+
+    def _hidden(self, layer: int, place: tuple[str, int], picks: torch.Tensor,
+                step: _Step) -> list[torch.Tensor]:
+        """The first half of an expert's graph: its picks' activations, [p, 1, F] a piece."""
+        ffn = self._ffn(layer, place[0])
+        return [ffn.hidden(step.rows(piece), _slots(piece, place[1]))
+                for piece in step.pieces(picks)]
+
+    def _finish(self, layer: int, place: tuple[str, int], picks: torch.Tensor,
+                hidden: list[torch.Tensor], step: _Step) -> None:
+        """The second half: the down products of ``_hidden``'s activations, weighted, written
+        into ``step.picked``."""
+        ffn, weights = self._ffn(layer, place[0]), step.weights.reshape(-1)  # [N*K]
+        for piece, h in zip(step.pieces(picks), hidden):
+            step.picked[piece] = ffn.finish(h, _slots(piece, place[1]), weights[piece, None])
 
     def _compute(self, layer: int, pool: str, entries: list[tuple[int, torch.Tensor]],
                  step: _Step) -> None:
