@@ -28,6 +28,7 @@ where the guess was not used).
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -55,7 +56,12 @@ PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
 def step_chunks(part: ExpertPart, expert: int) -> list[tuple[int, int]]:
     """(offset in the piece, bytes) of the expert's piece's chunks: about STEP_CHUNK_BYTES
     each, cut where the file offset is a whole disk block (a cold read's aligned middle)."""
-    start, size = part.data_start + expert * part.expert_bytes, part.expert_bytes
+    return _chunks(part.data_start + expert * part.expert_bytes, part.expert_bytes)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _chunks(start: int, size: int) -> list[tuple[int, int]]:
+    """Shared: never written to."""
     n = max(1, round(size / STEP_CHUNK_BYTES))
     cuts = sorted({0, size, *(_block(start + size * i // n) - start for i in range(1, n))})
     cuts = [c for c in cuts if 0 <= c <= size]
@@ -176,16 +182,17 @@ class ParallelReads:
         while the rest is read (``on_front``)."""
         pieces = [(part, target) for _, part, target in slot_pieces(layout, slot)
                   if parts is None or part in parts]
-        pieces.sort(key=lambda piece: piece[0] not in front)  # stable: the front's first
-        # (piece, target chunk, offset in the piece, of the front)
-        chunks = [(part, target[at:at + n], at, part in front)
-                  for part, target in pieces for at, n in step_chunks(part, expert)]
+        in_front = [any(part is f for f in front) for part, _ in pieces]  # identity: cheap
+        # (piece, target chunk, offset in the piece, of the front), the front's first
+        chunks = [(part, target[at:at + n], at, ahead)
+                  for ahead in (True, False) for (part, target), mine in zip(pieces, in_front)
+                  if mine == ahead for at, n in step_chunks(part, expert)]
         read = ExpertRead(sum(part.expert_bytes for part, _ in pieces), len(chunks), on_landed,
                           sum(chunk[3] for chunk in chunks), on_front)
         with self._cv:
             self._start_threads()
-            self._steps.extend((part, expert, target, at, read, in_front)
-                               for part, target, at, in_front in chunks)
+            self._steps.extend((part, expert, target, at, read, ahead)
+                               for part, target, at, ahead in chunks)
             self._charge_idle_chunks()
             self._cv.notify_all()
         return read

@@ -47,6 +47,7 @@ class StepReads:
         # since a slot can change hands within a step (more experts than host slots)
         self.pending: dict[Key, tuple[int, ExpertRead]] = {}
         self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
+        self._fronts: dict[int, list[ExpertPart]] = {}  # layer -> the pieces of its experts' front
         # (read, only its front is in): what reads report as they land
         self._landed: queue.SimpleQueue[tuple[ExpertRead, bool]] = queue.SimpleQueue()
         self.issued = lambda: None  # called once the step's reads are issued (prefetch,
@@ -66,10 +67,11 @@ class StepReads:
         layout = self.r.layouts[key[0]]
         if parts is not None or self.split:
             return self.r.reads.submit(layout, key[1], slot, parts, self.landed)
-        down = _down_half(layout)
+        if key[0] not in self._fronts:
+            down = _down_half(layout)
+            self._fronts[key[0]] = [p for p in layout.parts if p not in down]
         return self.r.reads.submit(layout, key[1], slot, None, self.landed,
-                                   [p for p in layout.parts if p not in down],
-                                   self._front_landed)
+                                   self._fronts[key[0]], self._front_landed)
 
     def start(self, layer: int, experts: list[int]) -> None:
         r = self.r

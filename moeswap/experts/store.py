@@ -97,8 +97,9 @@ class ExpertStore:
             return torch.zeros_like(x)
         r = self.residency
         r.step.start(layer, [e for e, _ in groups])
-        r.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
-                              if (layer, e) not in r.policies["device"]])
+        if r.pools["device"].n_slots:  # the cost model chooses only where a transfer can go
+            r.planner.start_step([(layout.expert_bytes, picks.numel()) for e, picks in groups
+                                  if (layer, e) not in r.policies["device"]])
         step, picks_of = _Step(x, ids, weights), dict(groups)
         requests = [(e, picks.numel()) for e, picks in groups]
         if r.step.split:

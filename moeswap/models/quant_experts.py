@@ -24,6 +24,8 @@ F expert width, O a part's output width, X experts in the layer.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +130,13 @@ class ExpertLayout:
 _FEW_PICKS = 16  # up to this many picks a step, grouped without torch ops
 
 
+@functools.lru_cache(maxsize=1024)
+def _few_picks(picks: tuple[int, ...]) -> torch.Tensor:
+    """The same tensor for the same few picks (each step's own would cost ~20 us to make);
+    shared, so never written to."""
+    return torch.tensor(picks)
+
+
 def group_picks(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """ids [T, K] -> per used expert, ascending: (expert, its picks as indices into T*K)."""
     flat = ids.flatten()  # [T*K]
@@ -135,7 +144,7 @@ def group_picks(ids: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         picks_of: dict[int, list[int]] = {}
         for pick, expert in enumerate(flat.tolist()):
             picks_of.setdefault(expert, []).append(pick)
-        return [(expert, torch.tensor(picks_of[expert])) for expert in sorted(picks_of)]
+        return [(expert, _few_picks(tuple(picks_of[expert]))) for expert in sorted(picks_of)]
     order = torch.argsort(flat, stable=True)  # [T*K] grouped by expert, tokens ascending
     used, counts = torch.unique_consecutive(flat[order], return_counts=True)
     return list(zip(used.tolist(), order.split(counts.tolist())))

@@ -106,16 +106,17 @@ class LRU(DemandPolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._last_use: dict = {}
+        self._by_use: dict = {}  # the resident keys, least recently used first
 
     def _on_admit(self, key):
-        self._last_use[key] = self._clock
+        self._by_use.pop(key, None)
+        self._by_use[key] = None  # to the end: a dict keeps insertion order
 
     def _on_evict(self, key):
-        del self._last_use[key]
+        del self._by_use[key]
 
     def _victim(self, incoming):
-        return min(self._slots, key=self._last_use.__getitem__)
+        return next(iter(self._by_use))  # O(1): a decode step's miss waits on it
 
 
 class LFU(DemandPolicy):
