@@ -14,7 +14,7 @@ from test_expert_store import decode_logits, store_model
 
 from moeswap.errors import MoeswapError
 from moeswap.experts.direct_io import BOUNCE_BYTES, DIRECT_ALIGNMENT, ModelFile
-from moeswap.experts.disk_reads import STEP_CHUNK_BYTES, ParallelReads, step_chunks
+from moeswap.experts.disk_reads import CHUNK_BYTES, ParallelReads, step_chunks
 from moeswap.experts.step_reads import FRONT, REST, WHOLE, StepReads
 from moeswap.experts.tiers import DiskReader, slot_bytes
 from moeswap.formats.config import config_from_gguf
@@ -149,7 +149,7 @@ def test_reads_run_depth_at_once_and_land_in_their_slots(mixtral_file):
     disk.close()
 
 
-@pytest.mark.parametrize("size", [100, 4096, STEP_CHUNK_BYTES, 3 * STEP_CHUNK_BYTES + 12345])
+@pytest.mark.parametrize("size", [100, 4096, CHUNK_BYTES, 3 * CHUNK_BYTES + 12345])
 @pytest.mark.parametrize("start", [0, 777])
 def test_step_chunks_cover_a_piece_cut_on_disk_blocks(size, start):
     part = ExpertPart("blk.0.ffn_down_exps.weight", 8, (size, 1), 4, start, size)
@@ -159,7 +159,7 @@ def test_step_chunks_cover_a_piece_cut_on_disk_blocks(size, start):
         assert [at for at, _ in chunks] == [0] + [at + n for at, n in chunks[:-1]]
         assert sum(n for _, n in chunks) == size and all(n > 0 for _, n in chunks)
         assert all((first + at) % DIRECT_ALIGNMENT == 0 for at, _ in chunks[1:])
-        assert len(chunks) == max(1, round(size / STEP_CHUNK_BYTES))
+        assert len(chunks) == max(1, round(size / CHUNK_BYTES))
 
 
 def test_an_experts_front_lands_first_and_is_reported_before_the_rest(mixtral_file):
@@ -173,8 +173,9 @@ def test_an_experts_front_lands_first_and_is_reported_before_the_rest(mixtral_fi
     down = layout.matrices["down"]
     front = [part for part in layout.parts if part is not down]
     slot = np.zeros(slot_bytes([layout]), np.uint8)
+    assert front == layout.front
     read = reads.submit(layout, 2, slot, None, lambda r: events.append(("landed", len(order))),
-                        front, lambda r: events.append(("front", len(order))))
+                        lambda r: events.append(("front", len(order))))
     read.result()
     # every front piece before the down matrix; the front reported before the down was read
     assert set(order[:len(front)]) == {part.name for part in front}
@@ -201,7 +202,7 @@ def test_a_front_that_failed_is_not_reported_and_the_read_raises(mixtral_file):
     disk.read_piece = fail_gate
     fronts = []
     read = reads.submit(layout, 0, np.zeros(slot_bytes([layout]), np.uint8), None,
-                        lambda r: None, [p for p in layout.parts if p is not down], fronts.append)
+                        lambda r: None, fronts.append)
     with pytest.raises(OSError, match="Input/output error"):
         read.result()
     assert fronts == []

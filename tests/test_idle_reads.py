@@ -78,7 +78,8 @@ def test_a_guess_waits_for_the_step_and_a_step_read_for_one_chunk(pool):
     _until(lambda: len(log) == 1)  # the guess's first chunk, held at its gate
     time.sleep(0.05)
     assert log == [(2, 0)]  # the other reader takes no second chunk of it: one at a time
-    reads.disk.stats.bytes, reads.disk.stats.seconds = CHUNK, 1.0  # a chunk takes 1 s to read
+    # its chunk (about CHUNK, cut on a disk block) takes 1 s to read
+    reads.disk.stats.bytes, reads.disk.stats.seconds = guess.idle_chunk[1], 1.0
     step_slot = _slot(layout)
     step = reads.submit(layout, 1, step_slot, None, lambda _: None)
     charged = guess.delay_seconds  # what its held chunk had left to read at the step's arrival
@@ -115,7 +116,8 @@ def test_a_needed_guess_is_read_first_and_a_stale_one_stops_at_its_chunk(pool):
     gates[0].set()
     stale.wait()
     assert stale.state == "cancelled"
-    assert stale.read_bytes == CHUNK < layout.expert_bytes  # no chunk after the one in flight
+    first = disk_reads.step_chunks(layout.parts[0], 0)[0][1]  # about CHUNK, cut on a block
+    assert stale.read_bytes == first < layout.expert_bytes  # no chunk after the one in flight
     assert [expert for expert, _ in log].count(0) == 1
     reads.hold()
     pending = reads.guess(layout, 1, _slot(layout))
@@ -123,6 +125,33 @@ def test_a_needed_guess_is_read_first_and_a_stale_one_stops_at_its_chunk(pool):
     reads.release()
     time.sleep(0.05)
     assert [expert for expert, _ in log].count(1) == 0  # a cancelled guess is never read
+
+
+@pytest.mark.parametrize("front_read_idle", [False, True])
+def test_a_promoted_guess_reports_its_front_while_its_down_matrix_is_read(pool, front_read_idle):
+    reads, layout, log, gates = pool
+    down, opened = layout.matrices["down"], threading.Event()
+    read_piece = reads.disk.read_piece
+    reads.disk.read_piece = lambda part, *args: (  # the down matrix waits until opened
+        part is down and _opened(opened), read_piece(part, *args))
+    if not front_read_idle:
+        reads.hold()  # a step is issuing its reads: nothing of the guess is read before it asks
+    slot = _slot(layout)
+    guess = reads.guess(layout, 2, slot)
+    if front_read_idle:  # read in the idle time up to its first down chunk, held there
+        _until(lambda: guess.front_left == 0 and guess.in_flight == 1)
+    events = []
+    guess.promote(lambda job: events.append("landed"), lambda job: events.append("front"))
+    reads.release()
+    _until(lambda: events == ["front"])  # the down matrix is still held
+    assert guess.state == "running"
+    opened.set()
+    _until(lambda: events == ["front", "landed"])
+    _assert_holds(reads, layout, 2, slot)
+
+
+def _opened(gate: threading.Event) -> None:
+    assert gate.wait(60)
 
 
 def test_a_reader_survives_an_error_raised_where_the_read_is_used(pool):

@@ -239,7 +239,9 @@ def test_recall_and_precision_on_a_hand_built_routing_sequence():
     assert not layers[2][2]["reads_enabled"]  # a first check that misses: no reads
     assert layers[2][1]["reads_enabled"]
     p.observe(0, torch.tensor([[0, 1]]))
-    assert p.guesses(0, x0, torch.tensor([[0, 1]])) == [(1, 0), (1, 1)]  # depth 1 only
+    # depth 1 only; a decode token's likeliest guess alone (a prompt's: the union of top 2s)
+    assert p.guesses(0, x0, torch.tensor([[0, 1]])) == [(1, 0)]
+    assert p.guesses(0, torch.cat([x0, x0]), torch.tensor([[0, 1], [0, 1]])) == [(1, 0), (1, 1)]
     for _ in range(10):  # a depth that keeps missing reads nothing, and is still measured
         p.guesses(0, x0, torch.tensor([[0, 1]]))
         p.observe(1, torch.tensor([[0, 1]]))

@@ -5,18 +5,18 @@
 kinds of work share them:
 
 - **the step's reads** (``submit``): an expert's pieces (gate, up or gate_up, down, biases) cut
-  into chunks of about ``STEP_CHUNK_BYTES``, first come first served, ``depth`` at once, its
+  into chunks of about ``CHUNK_BYTES``, first come first served, ``depth`` at once, its
   front's chunks (gate/up) before the rest. An ``ExpertRead`` is one expert's chunks; when its
   front is in it reports that (the store computes the activation while the down matrix is read),
   and when the last chunk lands it reports itself, so the store finishes each miss as soon as its
   bytes are in, in the order they land.
 - **guesses** (``guess``): experts the prefetcher (moeswap.experts.prefetch) expects a later
-  layer to ask for, read in ``CHUNK_BYTES`` chunks, one chunk at a time, and only while no step
+  layer to ask for, read in the same chunks, front first, one chunk at a time, and only while no step
   read waits or runs and no step is issuing its reads (``hold``): they fill the disk's idle time
   between a layer's last read and the next layer's routing, when nothing else could be read.
   A step read that arrives meanwhile waits at most for the one chunk in flight. A guess the
   store asks for (``GuessRead.promote``) is read on at the step's priority, every reader at
-  once; a stale one is stopped at its next chunk (``stop``, which does not wait for the chunk
+  once, and reports its front as a step read does; a stale one is stopped at its next chunk (``stop``, which does not wait for the chunk
   in flight: the slot's owner frees the slot once the guess is cancelled).
 
 ``DiskReader.stats.seconds`` gets the wall time during which any of these reads ran (the link
@@ -40,32 +40,41 @@ from moeswap.experts.direct_io import DIRECT_ALIGNMENT
 from moeswap.experts.tiers import DiskReader, slot_pieces
 from moeswap.models.quant_experts import ExpertLayout, ExpertPart
 
-# A guess's read unit, what a step read may have to wait for: ~2 ms at 2 GB/s. Measured against
-# 1 MiB on the 2.2 GB model in a 1.2 GB cgroup: 81-90 % of the floor against 81-84 %
-# (docs/BENCHMARKS.md, issue 19, session 11); a real model's pieces are larger than either.
-CHUNK_BYTES = 4 << 20
-
-# A step read's unit: a piece of an expert is read as chunks of about this size, taken in order
-# by every reader, so that an expert's front (gate/up) lands while the rest is read. On the VM of
-# session 12, 1 MiB reads ran slower than whole pieces, 2-3 MiB as fast.
-STEP_CHUNK_BYTES = 2 << 20
+# The read unit: an expert's piece is read as chunks of about this size, taken in order by every
+# reader, so that an expert's front (gate/up) lands while the rest is read; a guess's chunk is
+# also what a step read may have to wait for (~1 ms at 2 GB/s). On the VM of session 12, step
+# reads of 1 MiB ran slower than whole pieces, 2-3 MiB as fast; guesses in 4 MiB chunks had
+# reached 81-90 % of the floor against 81-84 % in 1 MiB (docs/BENCHMARKS.md, issue 19).
+CHUNK_BYTES = 2 << 20
 
 PENDING, RUNNING, DONE, CANCELLED = "pending", "running", "done", "cancelled"
 
 
 def step_chunks(part: ExpertPart, expert: int) -> list[tuple[int, int]]:
-    """(offset in the piece, bytes) of the expert's piece's chunks: about STEP_CHUNK_BYTES
-    each, cut where the file offset is a whole disk block (a cold read's aligned middle)."""
-    return _chunks(part.data_start + expert * part.expert_bytes, part.expert_bytes)
+    """(offset in the piece, bytes) of the expert's piece's chunks: about CHUNK_BYTES each,
+    cut where the file offset is a whole disk block (a cold read's aligned middle)."""
+    return _chunks(part.data_start + expert * part.expert_bytes, part.expert_bytes, CHUNK_BYTES)
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _chunks(start: int, size: int) -> list[tuple[int, int]]:
+def _chunks(start: int, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
     """Shared: never written to."""
-    n = max(1, round(size / STEP_CHUNK_BYTES))
+    n = max(1, round(size / chunk_bytes))
     cuts = sorted({0, size, *(_block(start + size * i // n) - start for i in range(1, n))})
     cuts = [c for c in cuts if 0 <= c <= size]
     return [(a, b - a) for a, b in zip(cuts, cuts[1:])]
+
+
+def _front_first(layout: ExpertLayout, expert: int, slot: np.ndarray,
+                 parts: list[ExpertPart] | None = None) -> list[tuple]:
+    """(piece, target chunk, offset in the piece, of the front) for the expert's pieces (those
+    of ``parts``; None: all) held in ``slot``, the front's chunks first."""
+    pieces = [(part, target, any(part is f for f in layout.front))  # identity: cheap
+              for _, part, target in slot_pieces(layout, slot)
+              if parts is None or any(part is p for p in parts)]
+    return [(part, target[at:at + n], at, ahead)
+            for ahead in (True, False) for part, target, mine in pieces if mine == ahead
+            for at, n in step_chunks(part, expert)]
 
 
 def _block(offset: int) -> int:
@@ -122,10 +131,10 @@ class GuessRead:
                  target: np.ndarray):
         self._pool, self.layout, self.expert = pool, layout, expert
         self.n_bytes = layout.expert_bytes
-        self.chunks: deque[tuple[ExpertPart, np.ndarray, int]] = deque(
-            (part, piece[at:at + CHUNK_BYTES], at)
-            for _, part, piece in slot_pieces(layout, target)
-            for at in range(0, part.expert_bytes, CHUNK_BYTES))
+        # (piece, target chunk, offset in the piece, of the front), the front's first
+        self.chunks: deque[tuple[ExpertPart, np.ndarray, int, bool]] = deque(
+            _front_first(layout, expert, target))
+        self.front_left = sum(chunk[3] for chunk in self.chunks)  # front chunks not landed
         self.state, self.in_flight = PENDING, 0
         self.urgent = False  # asked for: read at the step's priority
         self.stopping = False  # stopped: the chunks in flight end it, cancelled
@@ -135,11 +144,14 @@ class GuessRead:
         self.idle_chunk: tuple[float, int] | None = None  # (start, bytes) of its chunk in
         # flight read in the idle time (one at a time)
         self._on_landed: Callable[[GuessRead], None] | None = None
+        self._on_front: Callable[[GuessRead], None] | None = None
 
-    def promote(self, on_landed: Callable[[GuessRead], None]) -> GuessRead:
+    def promote(self, on_landed: Callable[[GuessRead], None],
+                on_front: Callable[[GuessRead], None] | None = None) -> GuessRead:
         """The store needs it: the rest is read at the step's priority; ``on_landed(self)`` once
-        it is in (at once if it is)."""
-        self._pool.promote(self, on_landed)
+        it is in (at once if it is), and ``on_front(self)`` where given once its front is while
+        the rest is still read (at once if the front is in already)."""
+        self._pool.promote(self, on_landed, on_front)
         return self
 
     def wait(self) -> None:
@@ -173,21 +185,13 @@ class ParallelReads:
     # the step's reads
 
     def submit(self, layout: ExpertLayout, expert: int, slot: np.ndarray,
-               parts: list[ExpertPart] | None,
-               on_landed: Callable[[ExpertRead], None],
-               front: list[ExpertPart] = (),
+               parts: list[ExpertPart] | None, on_landed: Callable[[ExpertRead], None],
                on_front: Callable[[ExpertRead], None] | None = None) -> ExpertRead:
-        """Read the expert's pieces (those of ``parts``; None: all) into ``slot``, those of
-        ``front`` first, in chunks of about STEP_CHUNK_BYTES taken in order: the front lands
-        while the rest is read (``on_front``)."""
-        pieces = [(part, target) for _, part, target in slot_pieces(layout, slot)
-                  if parts is None or part in parts]
-        in_front = [any(part is f for f in front) for part, _ in pieces]  # identity: cheap
-        # (piece, target chunk, offset in the piece, of the front), the front's first
-        chunks = [(part, target[at:at + n], at, ahead)
-                  for ahead in (True, False) for (part, target), mine in zip(pieces, in_front)
-                  if mine == ahead for at, n in step_chunks(part, expert)]
-        read = ExpertRead(sum(part.expert_bytes for part, _ in pieces), len(chunks), on_landed,
+        """Read the expert's pieces (those of ``parts``; None: all) into ``slot``, in chunks of
+        about CHUNK_BYTES taken in order, its front's (``layout.front``) first: with
+        ``on_front``, the front is reported as it lands while the rest is read."""
+        chunks = _front_first(layout, expert, slot, parts)
+        read = ExpertRead(sum(chunk[1].nbytes for chunk in chunks), len(chunks), on_landed,
                           sum(chunk[3] for chunk in chunks), on_front)
         with self._cv:
             self._start_threads()
@@ -259,16 +263,21 @@ class ParallelReads:
                 self._finish(job, CANCELLED)
             return True
 
-    def promote(self, job: GuessRead, on_landed: Callable[[GuessRead], None]) -> None:
+    def promote(self, job: GuessRead, on_landed: Callable[[GuessRead], None],
+                on_front: Callable[[GuessRead], None] | None) -> None:
         with self._cv:
             if job.state == CANCELLED:
                 raise ValueError("a cancelled guess cannot be promoted")
             job.urgent = True
-            if job.state != DONE:
-                job._on_landed = on_landed
+            done = job.state == DONE
+            if not done:  # its last chunk reports it
+                job._on_landed, job._on_front = on_landed, on_front
+                front_in = not job.front_left and job.error is None and on_front is not None
                 self._cv.notify_all()
-                return
-        on_landed(job)
+        if done:
+            on_landed(job)
+        elif front_in:
+            on_front(job)
 
     def wait(self, job: GuessRead) -> None:
         """Block until a guess is done (read at the step's priority meanwhile)."""
@@ -332,9 +341,9 @@ class ParallelReads:
                     self._ended_read()
                 read.chunk_done(error, in_front)
             else:
-                _, job, (part, target, at) = task
+                _, job, (part, target, at, in_front) = task
                 self._guess_chunk_done(job, target.nbytes, self._read_chunk(job, part, target, at),
-                                       idle)
+                                       idle, in_front)
 
     def _read_chunk(self, job: GuessRead, part: ExpertPart, target: np.ndarray,
                     within: int) -> BaseException | None:
@@ -349,11 +358,13 @@ class ParallelReads:
         return None
 
     def _guess_chunk_done(self, job: GuessRead, n_bytes: int, error: BaseException | None,
-                          idle: bool) -> None:
-        """``idle``: the chunk was read in the idle time (nobody had asked for its guess)."""
-        landed = None
+                          idle: bool, in_front: bool) -> None:
+        """``idle``: the chunk was read in the idle time (nobody had asked for its guess);
+        ``in_front``: it was one of its front's."""
+        landed = front = None
         with self._cv:
             job.in_flight -= 1
+            job.front_left -= in_front
             if idle:
                 self._idle_chunks.discard(job)
                 self._chunk_bytes += n_bytes
@@ -370,7 +381,11 @@ class ParallelReads:
                 else:
                     landed = job._on_landed
                     self._finish(job, DONE)
+            elif in_front and not job.front_left and job.error is None:
+                front = job._on_front  # the rest still to read
             self._cv.notify_all()
+        if front is not None:
+            front(job)
         if landed is not None:
             landed(job)
 

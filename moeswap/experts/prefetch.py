@@ -10,7 +10,7 @@ Predictors (``--prefetch``), each giving per token a score over the experts of a
 - ``both``: the mean of the two (the gate's as its softmax).
 
 Guesses are each token's top-k experts by score (their union, at most ``2 * top_k`` per target
-layer, best first). Every guess is checked when its target layer runs (recall and precision per
+layer, best first); of a decode token's, only the likeliest is read (``DECODE_READS``). Every guess is checked when its target layer runs (recall and precision per
 layer and depth), whether or not it was read: this "shadow" measurement is what the adaptive
 rule uses. Reads are issued only
 
@@ -58,6 +58,12 @@ PROBE_EVERY = 16  # rounds of a target layer turned off for uselessness between 
 WINDOW_FORWARDS = 8  # forwards the throttle judges prefetch over
 RECHECK_FORWARDS = 256  # forwards prefetch stays off after a lost window; doubled each loss
 MAX_RECHECK = 4096
+# Guesses read per layer ahead for a decode token: its likeliest expert only. The disk idles
+# about 1 ms between a layer's last read and the next one's first, about one chunk: a second
+# guess is read mostly at the step's cost, or wasted. On the 2.2 GB model (prefetch held on,
+# 1.2 GB of experts held) the likeliest guesses were used 84 % of the time, the second ones
+# 62 %; reading both wasted 14 MB a token, the likeliest alone 3.5 MB (docs/BENCHMARKS.md).
+DECODE_READS = 1
 
 
 class TransitionCounts:
@@ -207,9 +213,11 @@ class Prefetcher:
             self.history.observe(layer, ids)
 
     def guesses(self, layer: int, x: torch.Tensor, ids: torch.Tensor) -> list[tuple[int, int]]:
-        """Keys (target layer, expert) worth reading now, nearest layer first, best first."""
+        """Keys (target layer, expert) worth reading now, nearest layer first, best first (a
+        decode token's: DECODE_READS a layer)."""
+        cut = DECODE_READS if x.shape[0] == 1 else None
         keys = [(target, e) for depth, target, chosen in self.predict(layer, x, ids)
-                if self._reads_wanted(target, depth) for e in chosen]
+                if self._reads_wanted(target, depth) for e in chosen[:cut]]
         return keys[:self.queue_bound]
 
     def predict(self, layer: int, x: torch.Tensor,

@@ -180,7 +180,7 @@ class Residency:
         elif filling is not None:  # a miss still: the step may wait for the disk
             stats.disk_misses += 1
             if self.overlapped:  # computed when it lands, as a miss's read
-                self.step.pending[key] = index, filling.promote(self.step.landed)
+                self.step.pending[key] = index, self.step.promote(filling)
             else:
                 started = time.perf_counter()
                 filling.result()

@@ -26,9 +26,9 @@ import queue
 import time
 from collections import deque
 
-from moeswap.experts.disk_reads import ExpertRead
+from moeswap.experts.disk_reads import ExpertRead, GuessRead
 from moeswap.experts.stats import LayerStats
-from moeswap.models.quant_experts import ExpertLayout, ExpertPart
+from moeswap.models.quant_experts import ExpertPart
 
 Key = tuple[int, int]  # (layer, expert)
 Place = tuple[str, int]  # (pool name, slot)
@@ -47,7 +47,6 @@ class StepReads:
         # since a slot can change hands within a step (more experts than host slots)
         self.pending: dict[Key, tuple[int, ExpertRead]] = {}
         self.unfilled: set[Key] = set()  # host slots whose read failed: read again at a hit
-        self._fronts: dict[int, list[ExpertPart]] = {}  # layer -> the pieces of its experts' front
         # (read, only its front is in): what reads report as they land
         self._landed: queue.SimpleQueue[tuple[ExpertRead, bool]] = queue.SimpleQueue()
         self.issued = lambda: None  # called once the step's reads are issued (prefetch,
@@ -64,14 +63,14 @@ class StepReads:
         """Read the expert's ``parts`` (None: all) into ``slot``; a whole expert's front
         (every piece but the down half) first, reported as it lands unless the step streams
         (its passes read the halves apart)."""
-        layout = self.r.layouts[key[0]]
-        if parts is not None or self.split:
-            return self.r.reads.submit(layout, key[1], slot, parts, self.landed)
-        if key[0] not in self._fronts:
-            down = _down_half(layout)
-            self._fronts[key[0]] = [p for p in layout.parts if p not in down]
-        return self.r.reads.submit(layout, key[1], slot, None, self.landed,
-                                   self._fronts[key[0]], self._front_landed)
+        on_front = None if parts is not None or self.split else self._front_landed
+        return self.r.reads.submit(self.r.layouts[key[0]], key[1], slot, parts, self.landed,
+                                   on_front)
+
+    def promote(self, guess: GuessRead) -> GuessRead:
+        """A guess a step asks for, read on at the step's priority; reported as a read of the
+        step (its front too, unless the step streams)."""
+        return guess.promote(self.landed, None if self.split else self._front_landed)
 
     def start(self, layer: int, experts: list[int]) -> None:
         r = self.r
@@ -125,7 +124,7 @@ class StepReads:
             else:
                 yield expert, place, WHOLE
         layout = self.r.layouts[self.layer]
-        parts = [p for p in layout.parts if p not in _down_half(layout)] if self.split else None
+        parts = layout.front if self.split else None
         yield from self._stream(waiting, staged, parts, stats)
 
     def second_pass(self, places: dict[int, Place], stats: LayerStats):
@@ -137,7 +136,7 @@ class StepReads:
                 staged.append(expert)
             else:
                 yield expert, self.r.still_held((self.layer, expert), place, stats)
-        for expert, place, _ in self._stream({}, staged, _down_half(self.r.layouts[self.layer]),
+        for expert, place, _ in self._stream({}, staged, self.r.layouts[self.layer].down_half,
                                              stats):
             yield expert, place
 
@@ -181,9 +180,3 @@ class StepReads:
             for read in waiting:
                 read.wait()
 
-
-def _down_half(layout: ExpertLayout) -> list[ExpertPart]:
-    """The pieces the second half of an expert's graph reads (moeswap.quant.moe_graph,
-    ``MoeFfn.finish``): the down matrix, its bias and the output scale."""
-    return [layout.matrices["down"],
-            *(layout.biases[kind] for kind in ("down", "scale") if kind in layout.biases)]

@@ -94,6 +94,18 @@ class ExpertLayout:
         """All of one expert's stored bytes: the unit of residency."""
         return sum(p.expert_bytes for p in self.parts)
 
+    @functools.cached_property
+    def down_half(self) -> list[ExpertPart]:
+        """The pieces the second half of an expert's graph reads (moeswap.quant.moe_graph,
+        ``MoeFfn.finish``): the down matrix, its bias and the output scale."""
+        return [self.matrices["down"],
+                *(self.biases[kind] for kind in ("down", "scale") if kind in self.biases)]
+
+    @functools.cached_property
+    def front(self) -> list[ExpertPart]:
+        """The pieces the first half reads (``MoeFfn.hidden``): gate and up, their biases."""
+        return [p for p in self.parts if all(p is not d for d in self.down_half)]
+
     @classmethod
     def from_file(cls, gguf: GGUFFile, layer: int) -> "ExpertLayout":
         def part(name: str, dims: int) -> ExpertPart | None:
