@@ -11,13 +11,14 @@ kinds of work share them:
   and when the last chunk lands it reports itself, so the store finishes each miss as soon as its
   bytes are in, in the order they land.
 - **guesses** (``guess``): experts the prefetcher (moeswap.experts.prefetch) expects a later
-  layer to ask for, read in the same chunks, front first, one chunk at a time, and only while no step
-  read waits or runs and no step is issuing its reads (``hold``): they fill the disk's idle time
-  between a layer's last read and the next layer's routing, when nothing else could be read.
-  A step read that arrives meanwhile waits at most for the one chunk in flight. A guess the
-  store asks for (``GuessRead.promote``) is read on at the step's priority, every reader at
-  once, and reports its front as a step read does; a stale one is stopped at its next chunk (``stop``, which does not wait for the chunk
-  in flight: the slot's owner frees the slot once the guess is cancelled).
+  layer to ask for, read in the same chunks, front first, one chunk at a time, and only while
+  no step read waits or runs and no step is issuing its reads (``hold``): they fill the disk's
+  idle time between a layer's last read and the next layer's routing, when nothing else could
+  be read. A step read that arrives meanwhile waits at most for the one chunk in flight. A
+  guess the store asks for (``GuessRead.promote``) is read on at the step's priority, every
+  reader at once, and reports its front as a step read does; a stale one is stopped at its
+  next chunk (``stop``, which does not wait for the chunk in flight: the slot's owner frees the
+  slot once the guess is cancelled).
 
 ``DiskReader.stats.seconds`` gets the wall time during which any of these reads ran (the link
 busy), so bytes over seconds stays the read rate with several reads at once. A guess's

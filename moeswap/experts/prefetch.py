@@ -9,10 +9,11 @@ Predictors (``--prefetch``), each giving per token a score over the experts of a
   layer); the score at depth d chains the row-normalised counts d times from L's picks.
 - ``both``: the mean of the two (the gate's as its softmax).
 
-Guesses are each token's top-k experts by score (their union, at most ``2 * top_k`` per target
-layer, best first); of a decode token's, only the likeliest is read (``DECODE_READS``). Every guess is checked when its target layer runs (recall and precision per
-layer and depth), whether or not it was read: this "shadow" measurement is what the adaptive
-rule uses. Reads are issued only
+Guesses are each token's top-k experts by score (their union, at most ``2 * top_k`` per
+target layer, best first); of a decode token's, only the likeliest is read (``DECODE_READS``).
+Every guess is checked when its target layer runs (recall and precision per layer and depth),
+whether or not it was read: this "shadow" measurement is what the adaptive rule uses. Reads are
+issued only
 
 - for (layer, depth) pairs whose recent precision is at least ``MIN_PRECISION`` (a pair's
   first guesses are checked unread: a predictor with nothing to go on never reads);
