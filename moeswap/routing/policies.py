@@ -109,8 +109,7 @@ class LRU(DemandPolicy):
         self._by_use: dict = {}  # the resident keys, least recently used first
 
     def _on_admit(self, key):
-        self._by_use.pop(key, None)
-        self._by_use[key] = None  # to the end: a dict keeps insertion order
+        self._by_use[key] = self._by_use.pop(key, None)  # last: a dict keeps insertion order
 
     def _on_evict(self, key):
         del self._by_use[key]
