@@ -25,7 +25,6 @@ F expert width, O a part's output width, X experts in the layer.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 from typing import Any
 
